@@ -1,0 +1,95 @@
+// ddtree_commit_kv: compact each request's accepted path in a paged latent KV cache, in place.
+//
+// Python reference: ddtree.kernels.reference.commit_kv (contract: ddtree.kernels.kv.commit_kv).
+// Logical position p of request b lives at cache[block_table[b, p / page_size], p % page_size].
+// For every accepted m < length[b]: row prefix_lens[b] + nodes[b, m] moves to prefix_lens[b] + m.
+//
+// Grid: (batch_size, column_blocks). Block: 32 * COMMIT_WARPS threads. Each block owns one request
+// and a slice of COLS_PER_BLOCK 16-byte columns of every row (the head_dim slices are independent,
+// so blocks never race). The block first validates the request (every block of a request reaches
+// the same verdict from the same data; only column block 0 ORs the error flag), then loads all
+// accepted rows of its slice into shared memory, synchronises, and only then writes them: sources
+// are all read before any destination is written, so overlapping paths are safe.
+//
+// Shared memory: path_len * COLS_PER_BLOCK * 16 bytes (path_len <= 33, so <= 33 * 16 * 64 bytes).
+// Preconditions (checked on the host): row_bytes = head_dim * element size is a multiple of 16
+// and the cache is 16-byte aligned and contiguous; 1 <= page_size <= 256.
+// Caller data is validated here: a bad path (ACCEPTANCE), prefix length (LENGTH) or block-table
+// entry (BLOCK_TABLE) flags the request and leaves its cache untouched; nothing is ever read or
+// written out of bounds.
+#include "common.cuh"
+
+#ifndef COLS_PER_BLOCK
+#define COLS_PER_BLOCK 64
+#endif
+
+extern "C" __global__ void ddtree_commit_kv(
+    uint4* __restrict__ cache,            // [num_pages, page_size, row_vecs] (16-byte vectors)
+    const int32_t* __restrict__ block_table,  // [batch_size, max_pages]
+    const int32_t* __restrict__ prefix_lens,  // [batch_size]
+    const int32_t* __restrict__ nodes,        // [batch_size, path_len]
+    const int32_t* __restrict__ length,       // [batch_size]
+    int32_t* __restrict__ error_flags,        // [batch_size]
+    int32_t num_pages, int32_t page_size, int32_t row_vecs, int32_t max_pages,
+    int32_t path_len) {
+  __shared__ uint4 rows[33 * COLS_PER_BLOCK];
+  __shared__ int32_t src_row[33];  // page * page_size + slot of each accepted source
+  __shared__ int32_t dst_row[33];
+  __shared__ int32_t verdict;
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x;
+  if (tid == 0) verdict = 0;
+  __syncthreads();
+
+  const int len = length[b];
+  const int prefix = prefix_lens[b];
+  if (tid == 0) {
+    int flags = 0;
+    if (len < 1 || len > path_len) flags |= DDTREE_ERR_ACCEPTANCE;
+    if (prefix < 0) flags |= DDTREE_ERR_LENGTH;
+    verdict = flags;
+  }
+  __syncthreads();
+  if (verdict == 0 && tid < len) {
+    const int m = tid;
+    const int node = nodes[(int64_t)b * path_len + m];
+    const int prev = m > 0 ? nodes[(int64_t)b * path_len + m - 1] : -1;
+    int flags = 0;
+    // A path is root-anchored and strictly increasing; node m >= m follows from that.
+    if ((m == 0 && node != 0) || (m > 0 && node <= prev)) flags |= DDTREE_ERR_ACCEPTANCE;
+    const int64_t capacity = (int64_t)max_pages * page_size;
+    const int64_t src = (int64_t)prefix + node;
+    const int64_t dst = (int64_t)prefix + m;
+    if (!flags && src >= capacity) flags |= DDTREE_ERR_LENGTH;
+    if (!flags) {
+      const int sp = block_table[(int64_t)b * max_pages + (int)(src / page_size)];
+      const int dp = block_table[(int64_t)b * max_pages + (int)(dst / page_size)];
+      if (sp < 0 || sp >= num_pages || dp < 0 || dp >= num_pages) {
+        flags |= DDTREE_ERR_BLOCK_TABLE;
+      } else {
+        src_row[m] = sp * page_size + (int)(src % page_size);
+        dst_row[m] = dp * page_size + (int)(dst % page_size);
+      }
+    }
+    if (flags) atomicOr(&verdict, flags);
+  }
+  __syncthreads();
+  if (verdict != 0) {
+    if (blockIdx.y == 0 && tid == 0) atomicOr(&error_flags[b], verdict);
+    return;
+  }
+
+  const int col0 = blockIdx.y * COLS_PER_BLOCK;
+  const int cols = min(COLS_PER_BLOCK, row_vecs - col0);
+  for (int e = tid; e < len * cols; e += blockDim.x) {
+    const int m = e / cols;
+    const int c = e - m * cols;
+    rows[m * COLS_PER_BLOCK + c] = cache[(int64_t)src_row[m] * row_vecs + col0 + c];
+  }
+  __syncthreads();
+  for (int e = tid; e < len * cols; e += blockDim.x) {
+    const int m = e / cols;
+    const int c = e - m * cols;
+    cache[(int64_t)dst_row[m] * row_vecs + col0 + c] = rows[m * COLS_PER_BLOCK + c];
+  }
+}

@@ -1,0 +1,144 @@
+"""The runtime compiler's cache and launch parameters, without a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from ddtree.kernels import jit
+
+needs_nvrtc = pytest.mark.skipif(
+    not jit.is_available(),
+    reason="cuda-python with NVRTC is not installed (pip install 'ddtree[cuda]')",
+)
+
+_VERSIONS = {"nvrtc_version": "13.0", "driver_version": "none", "headers_version": "h"}
+
+
+def test_cache_key_changes_with_every_input() -> None:
+    base = jit.cache_key("src", ["-DA=1", "--std=c++17"], "sm_90", **_VERSIONS)
+    assert base == jit.cache_key("src", ["--std=c++17", "-DA=1"], "sm_90", **_VERSIONS)
+    variants = [
+        jit.cache_key("src2", ["-DA=1", "--std=c++17"], "sm_90", **_VERSIONS),
+        jit.cache_key("src", ["-DA=2", "--std=c++17"], "sm_90", **_VERSIONS),
+        jit.cache_key("src", ["-DA=1", "--std=c++17"], "sm_100", **_VERSIONS),
+        jit.cache_key(
+            "src", ["-DA=1", "--std=c++17"], "sm_90", **{**_VERSIONS, "nvrtc_version": "13.1"}
+        ),
+        jit.cache_key(
+            "src", ["-DA=1", "--std=c++17"], "sm_90", **{**_VERSIONS, "driver_version": "13000"}
+        ),
+        jit.cache_key(
+            "src", ["-DA=1", "--std=c++17"], "sm_90", **{**_VERSIONS, "headers_version": "x"}
+        ),
+    ]
+    assert len({base, *variants}) == 1 + len(variants)
+
+
+def test_load_source_inlines_local_headers() -> None:
+    for name in jit.kernel_sources():
+        text = jit.load_source(name)
+        assert '#include "' not in text, name
+    assert "ddtree_mix32" in jit.load_source("commit_kv.cu")
+
+
+def test_cache_put_is_atomic(tmp_path, monkeypatch) -> None:
+    cache = jit.KernelCache(tmp_path)
+    cache.put("k" * 64, b"\x7fELF-old")
+
+    def broken_replace(src: str, dst: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        cache.put("k" * 64, b"\x7fELF-new")
+    monkeypatch.undo()
+    assert cache.get("k" * 64) == b"\x7fELF-old"
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_corrupt_entry_is_a_miss_and_removed(tmp_path, caplog) -> None:
+    cache = jit.KernelCache(tmp_path)
+    (tmp_path / f"{'a' * 64}.cubin").write_bytes(b"garbage")
+    assert cache.get("a" * 64) is None
+    assert not (tmp_path / f"{'a' * 64}.cubin").exists()
+    assert "corrupt" in caplog.text
+
+
+@needs_nvrtc
+def test_corrupt_entry_is_rebuilt(tmp_path) -> None:
+    cache = jit.KernelCache(tmp_path)
+    cubin, key = jit.compile_cubin("commit_kv.cu", "sm_90", cache=cache)
+    (tmp_path / f"{key}.cubin").write_bytes(b"truncated")
+    again, key2 = jit.compile_cubin("commit_kv.cu", "sm_90", cache=cache)
+    assert key2 == key
+    assert again == cubin
+    assert (tmp_path / f"{key}.cubin").read_bytes() == cubin
+
+
+@needs_nvrtc
+def test_cache_hit_and_key_depend_on_defines_and_arch(tmp_path) -> None:
+    cache = jit.KernelCache(tmp_path)
+    _, k1 = jit.compile_cubin("commit_kv.cu", "sm_90", cache=cache)
+    _, k2 = jit.compile_cubin("commit_kv.cu", "sm_90", {"COLS_PER_BLOCK": 32}, cache=cache)
+    _, k3 = jit.compile_cubin("commit_kv.cu", "sm_120", cache=cache)
+    assert len({k1, k2, k3}) == 3
+    assert sorted(p.stem for p in tmp_path.glob("*.cubin")) == sorted([k1, k2, k3])
+
+
+@needs_nvrtc
+def test_disable_jit_turns_a_miss_into_an_error(tmp_path, monkeypatch) -> None:
+    cache = jit.KernelCache(tmp_path)
+    monkeypatch.setenv("DDTREE_DISABLE_JIT", "1")
+    with pytest.raises(jit.CompileError, match="DDTREE_DISABLE_JIT") as info:
+        jit.compile_cubin("commit_kv.cu", "sm_90", cache=cache)
+    assert len(info.value.cache_key) == 64
+    monkeypatch.delenv("DDTREE_DISABLE_JIT")
+    cubin, key = jit.compile_cubin("commit_kv.cu", "sm_90", cache=cache)
+    monkeypatch.setenv("DDTREE_DISABLE_JIT", "1")
+    assert jit.compile_cubin("commit_kv.cu", "sm_90", cache=cache) == (cubin, key)
+
+
+@needs_nvrtc
+def test_compile_error_carries_log_and_key(tmp_path) -> None:
+    with pytest.raises(jit.CompileError) as info:
+        jit.compile_cubin(
+            "commit_kv.cu", "sm_90", {"COLS_PER_BLOCK": "1;("}, cache=jit.KernelCache(tmp_path)
+        )
+    assert "error" in info.value.log
+    assert len(info.value.cache_key) == 64
+    assert list(tmp_path.glob("*.cubin")) == []
+
+
+def test_cache_dir_honours_env(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path / "c"))
+    assert jit.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("DDTREE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert jit.cache_dir() == tmp_path / "x" / "ddtree" / "kernels"
+
+
+def test_bad_arch_and_define_names_are_rejected(tmp_path) -> None:
+    if not jit.is_available():
+        pytest.skip("cuda-python with NVRTC is not installed")
+    with pytest.raises(ValueError, match="arch"):
+        jit.compile_cubin("commit_kv.cu", "90", cache=jit.KernelCache(tmp_path))
+    with pytest.raises(ValueError, match="identifier"):
+        jit.compile_cubin("commit_kv.cu", "sm_90", {"A B": 1}, cache=jit.KernelCache(tmp_path))
+
+
+def test_require_available_names_the_extra(monkeypatch) -> None:
+    monkeypatch.setattr(jit, "_availability_problem", lambda: "cuda-python is not installed")
+    assert not jit.is_available()
+    with pytest.raises(RuntimeError, match=r"ddtree\[cuda\]"):
+        jit.require_available()
+
+
+def test_launch_params_validate() -> None:
+    assert jit.LaunchParams((4, 1, 1), (128, 1, 1), 1024).shared_mem_bytes == 1024
+    with pytest.raises(ValueError, match="1024 threads"):
+        jit.LaunchParams((1, 1, 1), (2048, 1, 1))
+    with pytest.raises(ValueError, match=">= 1"):
+        jit.LaunchParams((0, 1, 1), (32, 1, 1))
+    with pytest.raises(ValueError, match="65535"):
+        jit.LaunchParams((1, 70000, 1), (32, 1, 1))
