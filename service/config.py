@@ -1,0 +1,308 @@
+"""Server configuration: one frozen dataclass, filled from ``DDTREE_*`` env vars and CLI flags.
+
+This is the only module that reads the environment. Precedence: command-line flag, then the
+environment variable, then the default. Every variable has a flag:
+
+=================================  ===========================  ===============================
+environment variable               flag                         default
+=================================  ===========================  ===============================
+``DDTREE_LISTEN`` (comma list)     ``--listen`` (repeatable)    ``127.0.0.1:50051``
+``DDTREE_MAX_MESSAGE_BYTES``       ``--max-message-bytes``      512 MiB
+``DDTREE_MAX_TENSOR_BYTES``        ``--max-tensor-bytes``       512 MiB
+``DDTREE_MAX_BATCH_SIZE``          ``--max-batch-size``         1024
+``DDTREE_MAX_CONCURRENT_CALLS``    ``--max-concurrent-calls``   64
+``DDTREE_GRACE_S``                 ``--grace-s``                10
+``DDTREE_REQUEST_DEADLINE_CAP_S``  ``--request-deadline-cap-s``  30
+``DDTREE_DEVICE``                  ``--device``                 ``auto``
+``DDTREE_BACKEND``                 ``--backend``                ``auto``
+``DDTREE_LOG_LEVEL``               ``--log-level``              ``INFO``
+``DDTREE_CACHE_DIR``               ``--cache-dir``              (kernel cache default)
+``DDTREE_DISABLE_JIT``             ``--disable-jit``            off
+``DDTREE_METRICS_PORT``            ``--metrics-port``           off
+=================================  ===========================  ===============================
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+__all__ = ["ENV_PREFIX", "ServiceConfig", "add_arguments", "config_from_args", "parse_listen"]
+
+ENV_PREFIX = "DDTREE_"
+"""Prefix of every environment variable ddtree reads."""
+
+_MIB = 1 << 20
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda:\d+)$")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_BACKENDS = ("auto", "cuda", "reference")
+_GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's own ceiling (int32 lengths)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything the server and engine need, validated on construction.
+
+    Attributes
+    ----------
+    listen : tuple of str
+        Addresses to serve on: ``host:port`` (port 0 picks a free port) or ``unix:/abs/path``.
+    max_message_bytes : int
+        Largest request or response message, bytes, ``1 MiB .. 2 GiB - 1``.
+    max_tensor_bytes : int
+        Largest single tensor of a request, bytes, ``>= 1``.
+    max_batch_size : int
+        Largest ``batch_size`` of one call, ``>= 1``.
+    max_concurrent_calls : int
+        Calls served at once; more get RESOURCE_EXHAUSTED (``OVERLOADED``), ``>= 1``.
+    grace_s : float
+        Seconds in-flight calls get to finish after SIGTERM, ``>= 0``.
+    request_deadline_cap_s : float
+        Every call's deadline is capped at this many seconds (also the deadline of calls that
+        carry none), ``> 0``.
+    device : str
+        ``"auto"`` (first GPU if any, else CPU), ``"cpu"`` or ``"cuda:N"``.
+    backend : str
+        ``"auto"``, ``"cuda"`` or ``"reference"`` (see ``ddtree.kernels``).
+    log_level : str
+        ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR`` or ``CRITICAL``.
+    cache_dir : Path, optional
+        Directory of the compiled-kernel cache; ``None`` for the kernels' default.
+    disable_jit : bool
+        Whether a kernel-cache miss is an error instead of a compile (pre-baked images).
+    metrics_port : int, optional
+        TCP port of the Prometheus endpoint, ``0..65535``; ``None`` serves no metrics.
+    """
+
+    listen: tuple[str, ...] = ("127.0.0.1:50051",)
+    max_message_bytes: int = 512 * _MIB
+    max_tensor_bytes: int = 512 * _MIB
+    max_batch_size: int = 1024
+    max_concurrent_calls: int = 64
+    grace_s: float = 10.0
+    request_deadline_cap_s: float = 30.0
+    device: str = "auto"
+    backend: str = "auto"
+    log_level: str = "INFO"
+    cache_dir: Path | None = None
+    disable_jit: bool = False
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.listen:
+            raise ValueError("listen: expected at least one address, got none")
+        for address in self.listen:
+            parse_listen(address)
+        if not _MIB <= self.max_message_bytes <= _GRPC_MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes: expected {_MIB}..{_GRPC_MAX_MESSAGE_BYTES}, "
+                f"got {self.max_message_bytes}"
+            )
+        for name in ("max_tensor_bytes", "max_batch_size", "max_concurrent_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s: expected >= 0, got {self.grace_s}")
+        if not self.request_deadline_cap_s > 0:
+            raise ValueError(
+                f"request_deadline_cap_s: expected > 0, got {self.request_deadline_cap_s}"
+            )
+        if not _DEVICE_RE.match(self.device):
+            raise ValueError(f"device: expected 'auto', 'cpu' or 'cuda:N', got {self.device!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend: expected one of {_BACKENDS}, got {self.backend!r}")
+        if self.log_level not in _LOG_LEVELS:
+            raise ValueError(f"log_level: expected one of {_LOG_LEVELS}, got {self.log_level!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: expected 0..65535, got {self.metrics_port}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServiceConfig:
+        """Build a config from ``DDTREE_*`` variables (``os.environ`` by default).
+
+        Raises
+        ------
+        ValueError
+            A variable does not parse or is out of range; the message names it.
+        """
+        return config_from_args([], environ)
+
+
+def parse_listen(address: str) -> tuple[str, str]:
+    """Split a listen address into ``("tcp", "host:port")`` or ``("unix", "/path")``.
+
+    Raises
+    ------
+    ValueError
+        Neither ``host:port`` with a port in ``0..65535`` nor ``unix:/absolute/path``.
+    """
+    if address.startswith("unix:"):
+        path = address[len("unix:") :]
+        if not path.startswith("/"):
+            raise ValueError(f"listen: expected unix:/absolute/path, got {address!r}")
+        return "unix", path
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen: expected host:port or unix:/path, got {address!r}")
+    return "tcp", address
+
+
+def _env_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {value!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per ``ServiceConfig`` field to ``parser`` (defaults resolved later)."""
+    d = ServiceConfig()
+    group = parser.add_argument_group("serving")
+    group.add_argument(
+        "--listen",
+        action="append",
+        metavar="ADDR",
+        help=f"address to serve on, host:port or unix:/abs/path; repeat for several "
+        f"[env DDTREE_LISTEN, comma-separated; default {','.join(d.listen)}]",
+    )
+    group.add_argument(
+        "--max-message-bytes",
+        type=int,
+        metavar="N",
+        help="largest request/response message "
+        f"[env DDTREE_MAX_MESSAGE_BYTES; default {d.max_message_bytes}]",
+    )
+    group.add_argument(
+        "--max-tensor-bytes",
+        type=int,
+        metavar="N",
+        help=f"largest single tensor [env DDTREE_MAX_TENSOR_BYTES; default {d.max_tensor_bytes}]",
+    )
+    group.add_argument(
+        "--max-batch-size",
+        type=int,
+        metavar="N",
+        help="largest batch_size of a call "
+        f"[env DDTREE_MAX_BATCH_SIZE; default {d.max_batch_size}]",
+    )
+    group.add_argument(
+        "--max-concurrent-calls",
+        type=int,
+        metavar="N",
+        help="calls served at once, more are refused with RESOURCE_EXHAUSTED "
+        f"[env DDTREE_MAX_CONCURRENT_CALLS; default {d.max_concurrent_calls}]",
+    )
+    group.add_argument(
+        "--grace-s",
+        type=float,
+        metavar="S",
+        help="seconds in-flight calls get after SIGTERM "
+        f"[env DDTREE_GRACE_S; default {d.grace_s:g}]",
+    )
+    group.add_argument(
+        "--request-deadline-cap-s",
+        type=float,
+        metavar="S",
+        help="cap on every call's deadline "
+        f"[env DDTREE_REQUEST_DEADLINE_CAP_S; default {d.request_deadline_cap_s:g}]",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this TCP port [env DDTREE_METRICS_PORT; default off]",
+    )
+    compute = parser.add_argument_group("compute")
+    compute.add_argument(
+        "--device",
+        metavar="DEV",
+        help="auto (first GPU, else CPU), cpu or cuda:N [env DDTREE_DEVICE; default auto]",
+    )
+    compute.add_argument(
+        "--backend",
+        choices=_BACKENDS,
+        help="op implementation: auto, cuda kernels or pure-torch reference "
+        "[env DDTREE_BACKEND; default auto]",
+    )
+    compute.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="compiled-kernel cache directory [env DDTREE_CACHE_DIR; default: user cache dir]",
+    )
+    compute.add_argument(
+        "--disable-jit",
+        action="store_const",
+        const=True,
+        help="fail on a kernel-cache miss instead of compiling [env DDTREE_DISABLE_JIT=1]",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=_LOG_LEVELS,
+        help="logging threshold [env DDTREE_LOG_LEVEL; default INFO]",
+    )
+
+
+_PARSERS = {
+    "listen": lambda v: tuple(a.strip() for a in v.split(",") if a.strip()),
+    "max_message_bytes": int,
+    "max_tensor_bytes": int,
+    "max_batch_size": int,
+    "max_concurrent_calls": int,
+    "grace_s": float,
+    "request_deadline_cap_s": float,
+    "device": str,
+    "backend": str,
+    "log_level": lambda v: v.strip().upper(),
+    "cache_dir": Path,
+    "disable_jit": _env_bool,
+    "metrics_port": int,
+}
+
+
+def config_from_args(
+    argv: Sequence[str] | argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> ServiceConfig:
+    """Resolve flags, then ``DDTREE_*`` variables, then defaults into a ``ServiceConfig``.
+
+    Parameters
+    ----------
+    argv : sequence of str or argparse.Namespace
+        Command-line arguments (parsed here with ``add_arguments``) or an already parsed
+        namespace from a parser that called ``add_arguments``.
+    environ : Mapping[str, str], optional
+        Environment to read; ``os.environ`` by default.
+
+    Raises
+    ------
+    ValueError
+        A value does not parse or is out of range; the message names the flag or variable.
+    """
+    if isinstance(argv, argparse.Namespace):
+        namespace = argv
+    else:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        namespace = parser.parse_args(list(argv))
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for f in fields(ServiceConfig):
+        flag_value = getattr(namespace, f.name, None)
+        if flag_value is not None:
+            values[f.name] = tuple(flag_value) if f.name == "listen" else flag_value
+            continue
+        env_name = ENV_PREFIX + f.name.upper()
+        raw = env.get(env_name)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[f.name] = _PARSERS[f.name](raw)
+        except ValueError as err:
+            raise ValueError(f"{env_name}: {err}") from err
+    return ServiceConfig(**values)  # type: ignore[arg-type]

@@ -1,0 +1,625 @@
+"""The engine: owns the device, runs the ops of ``ddtree.kernels`` and turns bad data into errors.
+
+No gRPC here. Every op runs on one dedicated worker thread per device, so blocking device waits
+(the error-flag check, device-to-host copies of results) never block the caller's event loop;
+the typed methods return ``concurrent.futures.Future`` objects (``.result()`` for synchronous
+callers, ``asyncio.wrap_future`` for asynchronous ones). Cancelling a future before its work
+started drops the work.
+
+Two seams for instrumentation: an ``EngineObserver`` (implemented by ``ddtree.service.metrics``)
+is told about every op (``time_op`` wraps the launch, ``observe_*`` get the results), and
+``_run_op`` is the one place every op passes through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import platform
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
+from typing import Protocol, TypeVar
+
+import ddtree
+import torch
+from ddtree import kernels
+from ddtree.kernels.backend import Backend, resolve_backend
+from ddtree.kernels.types import MAX_BUDGET, MAX_DRAFT_LEN, Acceptance, ErrorFlag, Tree
+from ddtree.service.calls import (
+    AcceptTreeCall,
+    AcceptTreeResult,
+    BuildTreeCall,
+    CallLimits,
+    KvCommitArgs,
+    VerifyAttentionCall,
+    validate_accept_tree,
+    validate_build_tree,
+    validate_verify_attention,
+)
+from ddtree.service.errors import (
+    DeadlineExceeded,
+    InvalidAcceptance,
+    InvalidArgument,
+    InvalidBlockTable,
+    InvalidLength,
+    InvalidToken,
+    InvalidTree,
+    OutOfMemory,
+    ShuttingDown,
+    WarmingUp,
+)
+
+__all__ = ["DeviceInfo", "Engine", "EngineInfo", "EngineObserver"]
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+# Which request field each error flag blames, per op, in the order they are reported.
+_FLAG_FIELDS: dict[str, tuple[tuple[ErrorFlag, type[InvalidArgument], str, str], ...]] = {
+    "build_tree": (
+        (ErrorFlag.TOKEN, InvalidToken, "root_tokens", "token id outside [0, vocab_size)"),
+    ),
+    "accept": (
+        (ErrorFlag.TREE, InvalidTree, "tree", "malformed tree (num_nodes, parents or depths)"),
+        (ErrorFlag.TOKEN, InvalidToken, "target_tokens", "negative or out-of-range token id"),
+        (ErrorFlag.ACCEPTANCE, InvalidAcceptance, "tree", "accepted path is malformed"),
+    ),
+    "commit_kv": (
+        (
+            ErrorFlag.BLOCK_TABLE,
+            InvalidBlockTable,
+            "kv_commit.block_table",
+            "block-table entry outside [0, num_pages)",
+        ),
+        (
+            ErrorFlag.LENGTH,
+            InvalidLength,
+            "kv_commit.prefix_lens",
+            "prefix length negative or prefix plus path past the block table",
+        ),
+        (ErrorFlag.ACCEPTANCE, InvalidAcceptance, "tree", "accepted path is malformed"),
+    ),
+    "verify_attention": (
+        (
+            ErrorFlag.BLOCK_TABLE,
+            InvalidBlockTable,
+            "block_table",
+            "block-table entry outside [0, num_pages)",
+        ),
+        (
+            ErrorFlag.LENGTH,
+            InvalidLength,
+            "prefix_lens",
+            "prefix length negative or prefix plus tree past the block table",
+        ),
+        (ErrorFlag.TREE, InvalidTree, "tree", "malformed tree (num_nodes, parents or depths)"),
+    ),
+}
+_RPC_OF_OP = {
+    "build_tree": "build_tree",
+    "accept": "accept_tree",
+    "commit_kv": "accept_tree",
+    "verify_attention": "verify_attention",
+}
+
+
+class EngineObserver(Protocol):
+    """What the engine reports about its ops (``ddtree.service.metrics.Metrics`` fits)."""
+
+    def time_op(self, op: str, device: torch.device) -> AbstractContextManager[None]:
+        """Wrap the launch of ``op`` (``build_tree``, ``accept``, ``commit_kv``,
+        ``verify_attention``) on ``device``; called on the worker thread."""
+        ...
+
+    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
+        """Trees built by one call: ``Tree.num_nodes``, shape ``(batch_size,)`` int32."""
+        ...
+
+    def observe_acceptance(
+        self,
+        nodes: torch.Tensor,
+        length: torch.Tensor,
+        num_nodes: torch.Tensor,
+        *,
+        model: str = "",
+    ) -> None:
+        """Walks of one call: ``Acceptance.nodes``, ``Acceptance.length``, ``Tree.num_nodes``."""
+        ...
+
+
+class _NullObserver:
+    """Observer that records nothing."""
+
+    @contextlib.contextmanager
+    def time_op(self, op: str, device: torch.device) -> Iterator[None]:
+        yield
+
+    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
+        return None
+
+    def observe_acceptance(
+        self,
+        nodes: torch.Tensor,
+        length: torch.Tensor,
+        num_nodes: torch.Tensor,
+        *,
+        model: str = "",
+    ) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device the engine runs ops on."""
+
+    uuid: str
+    """GPU UUID (``"GPU-..."``), or ``"cpu"``."""
+    name: str
+    """Device name (``"NVIDIA H200"``) or the CPU architecture."""
+    compute_capability: tuple[int, int]
+    """``(major, minor)``; ``(0, 0)`` for the CPU."""
+    total_memory_bytes: int
+    """Device memory, bytes; 0 for the CPU."""
+    backend: str
+    """``"cuda"`` or ``"reference"``."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What ``Engine.info`` reports."""
+
+    version: str
+    devices: tuple[DeviceInfo, ...]
+    limits: CallLimits
+    max_budget: int = MAX_BUDGET
+    max_draft_len: int = MAX_DRAFT_LEN
+    supports_memory_references: bool = False
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} requested but torch sees no CUDA device")
+        if resolved.index is None or resolved.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device: {device!r} requested but only {torch.cuda.device_count()} "
+                "CUDA devices are visible"
+            )
+    elif resolved.type != "cpu":
+        raise ValueError(f"device: expected 'auto', 'cpu' or 'cuda:N', got {device!r}")
+    return resolved
+
+
+def _device_info(device: torch.device, backend: str) -> DeviceInfo:
+    if device.type != "cuda":
+        return DeviceInfo("cpu", platform.machine() or "cpu", (0, 0), 0, backend)
+    props = torch.cuda.get_device_properties(device)
+    return DeviceInfo(
+        uuid=f"GPU-{props.uuid}",
+        name=props.name,
+        compute_capability=(props.major, props.minor),
+        total_memory_bytes=int(props.total_memory),
+        backend=backend,
+    )
+
+
+class Engine:
+    """Runs the DDTree ops for callers, on one device, validating every call.
+
+    Parameters
+    ----------
+    device : str
+        ``"auto"`` (first GPU if torch sees one, else the CPU), ``"cpu"`` or ``"cuda:N"``.
+    backend : {"auto", "cuda", "reference"}
+        Op implementation (see ``ddtree.kernels``).
+    limits : CallLimits
+        Size limits every call is checked against.
+    observer : EngineObserver, optional
+        Told about every op (metrics); ``None`` records nothing.
+
+    Notes
+    -----
+    Calls are refused with ``WarmingUp`` until ``warm_up()`` has run and with ``ShuttingDown``
+    after ``close()``. Methods are thread-safe.
+
+    Examples
+    --------
+    >>> engine = Engine(device="cpu")
+    >>> engine.warm_up()
+    >>> tree = engine.build_tree(BuildTreeCall(logits, roots, 8)).result()  # doctest: +SKIP
+    >>> engine.close()
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str = "auto",
+        backend: str = "auto",
+        limits: CallLimits | None = None,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self.device = _resolve_device(device)
+        self.backend: Backend = resolve_backend(backend, self.device)  # type: ignore[arg-type]
+        self.limits = limits or CallLimits()
+        self._observer: EngineObserver = observer or _NullObserver()
+        self._state_lock = threading.Lock()
+        self._is_ready = False
+        self._is_closed = False
+        self._info = EngineInfo(
+            version=ddtree.__version__,
+            devices=(_device_info(self.device, self.backend),),
+            limits=self.limits,
+        )
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # One worker per device: ops on a device are serialised on its stream anyway, and the
+        # worker is where blocking device waits belong.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ddtree-{self.device}")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether warm-up finished and the engine is not closed."""
+        return self._is_ready and not self._is_closed
+
+    def info(self) -> EngineInfo:
+        """Version, devices and limits of this engine."""
+        return self._info
+
+    def warm_up(self) -> None:
+        """Run every op once on tiny inputs (compiling kernels if needed), then accept calls.
+
+        Blocks until done. Idempotent.
+
+        Raises
+        ------
+        ShuttingDown
+            The engine is closed.
+        """
+        if self._is_closed:
+            raise ShuttingDown("engine: closed, cannot warm up")
+        future = self._worker.submit(self._warm_up_on_worker)
+        future.result()
+        with self._state_lock:
+            self._is_ready = not self._is_closed
+        _log.info("event=warm_up_done device=%s backend=%s", self.device, self.backend)
+
+    def _warm_up_on_worker(self) -> None:
+        # Tiny inputs through every op: compiles (or loads) the kernels and proves they run.
+        backend = self.backend
+        device = self.device
+        with self._on_stream():
+            generator = torch.Generator().manual_seed(0)
+            logits = torch.randn(1, 2, 8, generator=generator).to(device)
+            roots = torch.zeros(1, dtype=torch.int64, device=device)
+
+            def build(flags: torch.Tensor) -> Tree:
+                return kernels.build_tree(logits, roots, 3, error_flags=flags, backend=backend)
+
+            tree = self._run_op("build_tree", build, observe=False)
+            targets = torch.zeros(1, tree.num_nodes_max, dtype=torch.int64, device=device)
+
+            def walk(flags: torch.Tensor) -> Acceptance:
+                return kernels.accept(tree, targets, error_flags=flags, backend=backend)
+
+            acceptance = self._run_op("accept", walk, observe=False)
+            head_dim = 64
+            cache = torch.zeros(2, 4, head_dim, dtype=torch.bfloat16, device=device)
+            table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+            lens = torch.zeros(1, dtype=torch.int32, device=device)
+
+            def commit(flags: torch.Tensor) -> None:
+                kernels.commit_kv(
+                    cache, table, lens, acceptance, error_flags=flags, backend=backend
+                )
+
+            self._run_op("commit_kv", commit, observe=False)
+            q = torch.zeros(1, tree.num_nodes_max, 1, head_dim, dtype=torch.bfloat16, device=device)
+
+            def attend(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return kernels.verify_attention(
+                    q, cache, table, lens, tree, v_dim=32, error_flags=flags, backend=backend
+                )
+
+            self._run_op("verify_attention", attend, observe=False)
+
+    def close(self) -> None:
+        """Refuse new calls, finish queued ones, release the worker and device resources.
+
+        Idempotent; never raises for cleanup problems (they are logged).
+        """
+        with self._state_lock:
+            if self._is_closed:
+                return
+            self._is_closed = True
+        self._worker.shutdown(wait=True, cancel_futures=False)
+        if self._stream is not None:
+            try:
+                self._stream.synchronize()
+            except RuntimeError as err:
+                _log.warning("event=close_sync_failed device=%s error=%s", self.device, err)
+        _log.info("event=engine_closed device=%s", self.device)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ ops
+
+    def build_tree(self, call: BuildTreeCall) -> Future[Tree]:
+        """Build the draft trees of ``call`` (see ``ddtree.kernels.build_tree``).
+
+        Raises
+        ------
+        InvalidArgument
+            Synchronously for bad shapes, dtypes and ranges; through the future for token ids
+            out of range (``InvalidToken``, naming the request index).
+        WarmingUp, ShuttingDown
+            The engine is not ready or closed.
+        """
+        self._check_state()
+        validate_build_tree(call, self.limits)
+        return self._submit(call.deadline_s, lambda: self._build_tree(call))
+
+    def accept_tree(self, call: AcceptTreeCall) -> Future[AcceptTreeResult]:
+        """Walk the trees of ``call`` and optionally commit the KV cache in place.
+
+        The commit runs only when every request's walk succeeded. A request whose commit data is
+        bad (block table, prefix length) fails the call; requests before it may already be
+        compacted in a cache the engine shares with the caller.
+
+        Raises
+        ------
+        InvalidArgument
+            Synchronously for bad shapes, dtypes and ranges; through the future for bad data in
+            the tensors (naming the field and request index).
+        WarmingUp, ShuttingDown
+            The engine is not ready or closed.
+        """
+        self._check_state()
+        validate_accept_tree(call, self.limits)
+        return self._submit(call.deadline_s, lambda: self._accept_tree(call))
+
+    def verify_attention(
+        self, call: VerifyAttentionCall
+    ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
+        """Tree-masked paged attention of ``call``: ``(out, lse)``.
+
+        Raises
+        ------
+        InvalidArgument
+            Synchronously for bad shapes, dtypes and ranges; through the future for bad block
+            tables or lengths (naming the field and request index).
+        WarmingUp, ShuttingDown
+            The engine is not ready or closed.
+        """
+        self._check_state()
+        validate_verify_attention(call, self.limits)
+        return self._submit(call.deadline_s, lambda: self._verify_attention(call))
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_state(self) -> None:
+        if self._is_closed:
+            raise ShuttingDown("engine: shutting down, send the call to another replica")
+        if not self._is_ready:
+            raise WarmingUp("engine: kernels are warming up, retry shortly")
+
+    def _submit(self, deadline_s: float | None, work: Callable[[], _T]) -> Future[_T]:
+        def run() -> _T:
+            if deadline_s is not None and time.monotonic() > deadline_s:
+                raise DeadlineExceeded("deadline passed while the call waited for the device")
+            try:
+                with self._on_stream():
+                    return work()
+            except torch.OutOfMemoryError as err:
+                raise OutOfMemory(f"device {self.device} is out of memory: {err}") from err
+
+        try:
+            return self._worker.submit(run)
+        except RuntimeError as err:  # the executor was shut down between check and submit
+            raise ShuttingDown("engine: shutting down, send the call to another replica") from err
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            yield
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True).contiguous()
+
+    def _tree_to_device(self, tree: Tree) -> Tree:
+        return replace(
+            tree,
+            tokens=self._to_device(tree.tokens),
+            parents=self._to_device(tree.parents),
+            depths=self._to_device(tree.depths),
+            log_probs=self._to_device(tree.log_probs),
+            num_nodes=self._to_device(tree.num_nodes),
+            mask=self._to_device(tree.mask),
+        )
+
+    def _run_op(
+        self,
+        op: str,
+        launch: Callable[[torch.Tensor], _T],
+        batch_size: int = 1,
+        *,
+        observe: bool = True,
+    ) -> _T:
+        """Launch one op with a fresh ``error_flags`` tensor and raise on any flagged request.
+
+        This is the single place every op passes through: the observer times it here (skipped
+        for warm-up), and its flags become errors naming the field and request index.
+        """
+        flags = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        timer = self._observer.time_op(op, self.device) if observe else contextlib.nullcontext()
+        try:
+            with timer:
+                result = launch(flags)
+        except ValueError as err:
+            if isinstance(err, InvalidArgument):
+                raise
+            raise InvalidArgument(f"{_RPC_OF_OP[op]}: {err}") from err
+        self._raise_for_flags(op, flags)
+        return result
+
+    def _raise_for_flags(self, op: str, flags: torch.Tensor) -> None:
+        host = flags.cpu()  # the one host sync of an op: the caller needs the verdict anyway
+        bad = torch.nonzero(host).flatten().tolist()
+        if not bad:
+            return
+        index = bad[0]
+        value = ErrorFlag(int(host[index]))
+        rpc = _RPC_OF_OP[op]
+        for flag, error_type, field, what in _FLAG_FIELDS[op]:
+            if flag in value:
+                others = f" (and {len(bad) - 1} more requests)" if len(bad) > 1 else ""
+                raise error_type(
+                    f"{rpc}.{field}[{index}]: {what}{others}",
+                    field=f"{rpc}.{field}",
+                    metadata={"request_index": str(index), "error_flags": str(int(value))},
+                )
+        raise InvalidArgument(
+            f"{rpc}: request {index} was rejected by {op} (error_flags={int(value)})",
+            metadata={"request_index": str(index), "error_flags": str(int(value))},
+        )
+
+    def _result(self, tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+        return tensor if device is None else tensor.to(device)
+
+    def _build_tree(self, call: BuildTreeCall) -> Tree:
+        logits = self._to_device(call.draft_logits)
+        roots = self._to_device(call.root_tokens)
+        budget = call.budget
+        max_budget = call.max_budget
+        if isinstance(budget, torch.Tensor):
+            if max_budget is None:
+                max_budget = int(budget.max())
+            budget = self._to_device(budget)
+        tree = self._run_op(
+            "build_tree",
+            lambda f: kernels.build_tree(
+                logits,
+                roots,
+                budget,
+                temperature=call.temperature,
+                max_budget=max_budget,
+                error_flags=f,
+                backend=self.backend,
+            ),
+            logits.shape[0],
+        )
+        self._observer.observe_trees(tree.num_nodes, model=call.model)
+        return self._tree_result(tree, call.result_device)
+
+    def _tree_result(self, tree: Tree, device: torch.device | None) -> Tree:
+        if device is None or device == self.device:
+            return tree
+        return replace(
+            tree,
+            tokens=tree.tokens.to(device),
+            parents=tree.parents.to(device),
+            depths=tree.depths.to(device),
+            log_probs=tree.log_probs.to(device),
+            num_nodes=tree.num_nodes.to(device),
+            mask=tree.mask.to(device),
+        )
+
+    def _accept_tree(self, call: AcceptTreeCall) -> AcceptTreeResult:
+        tree = self._tree_to_device(call.tree)
+        tokens = None if call.target_tokens is None else self._to_device(call.target_tokens)
+        logits = None if call.target_logits is None else self._to_device(call.target_logits)
+        generator = None
+        if call.temperature > 0:
+            seed = call.seed if call.seed is not None else secrets.randbits(64)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        acceptance = self._run_op(
+            "accept",
+            lambda f: kernels.accept(
+                tree,
+                tokens,
+                target_logits=logits,
+                temperature=call.temperature,
+                generator=generator,
+                error_flags=f,
+                backend=self.backend,
+            ),
+            tree.batch_size,
+        )
+        kv_cache = None
+        if call.kv_commit is not None:
+            kv_cache = self._commit_kv(call.kv_commit, acceptance, tree.batch_size)
+            kv_cache = self._result(kv_cache, call.result_device)
+        self._observer.observe_acceptance(
+            acceptance.nodes, acceptance.length, tree.num_nodes, model=call.model
+        )
+        device = call.result_device
+        if device is not None and device != self.device:
+            acceptance = Acceptance(
+                nodes=acceptance.nodes.to(device),
+                tokens=acceptance.tokens.to(device),
+                length=acceptance.length.to(device),
+                bonus=acceptance.bonus.to(device),
+            )
+        return AcceptTreeResult(acceptance=acceptance, kv_cache=kv_cache)
+
+    def _commit_kv(
+        self, args: KvCommitArgs, acceptance: Acceptance, batch_size: int
+    ) -> torch.Tensor:
+        # The caller's cache is compacted in place when it already lives on this device; an
+        # inline (host) cache is compacted in a device copy that the result carries back.
+        cache = args.kv_cache
+        if cache.device != self.device or not cache.is_contiguous():
+            cache = self._to_device(cache)
+        table = self._to_device(args.block_table)
+        lens = self._to_device(args.prefix_lens)
+        self._run_op(
+            "commit_kv",
+            lambda f: kernels.commit_kv(
+                cache,
+                table,
+                lens,
+                acceptance,
+                error_flags=f,
+                backend=self.backend,
+            ),
+            batch_size,
+        )
+        return cache
+
+    def _verify_attention(self, call: VerifyAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        tree = self._tree_to_device(call.tree)
+        q = self._to_device(call.q)
+        cache = self._to_device(call.kv_cache)
+        table = self._to_device(call.block_table)
+        lens = self._to_device(call.prefix_lens)
+        out, lse = self._run_op(
+            "verify_attention",
+            lambda f: kernels.verify_attention(
+                q,
+                cache,
+                table,
+                lens,
+                tree,
+                v_dim=call.v_dim,
+                sm_scale=call.sm_scale,
+                error_flags=f,
+                backend=self.backend,
+            ),
+            tree.batch_size,
+        )
+        return self._result(out, call.result_device), self._result(lse, call.result_device)
