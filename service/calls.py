@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+
 from ddtree.kernels.types import MAX_BUDGET, MAX_DRAFT_LEN, Acceptance, Tree, mask_words
 from ddtree.service.errors import (
     InvalidModelLabel,

@@ -120,6 +120,18 @@ class ServiceConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: expected 0..65535, got {self.metrics_port}")
 
+    def kernel_environment(self) -> dict[str, str]:
+        """The ``DDTREE_*`` variables ``ddtree.kernels.jit`` reads, as set by this config.
+
+        The kernel layer reads its two settings from the process environment; the server
+        exports them there before the engine starts so that ``--cache-dir`` and
+        ``--disable-jit`` take effect.
+        """
+        env = {"DDTREE_DISABLE_JIT": "1" if self.disable_jit else "0"}
+        if self.cache_dir is not None:
+            env["DDTREE_CACHE_DIR"] = str(self.cache_dir)
+        return env
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ServiceConfig:
         """Build a config from ``DDTREE_*`` variables (``os.environ`` by default).

@@ -25,8 +25,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
-import ddtree
 import torch
+
+import ddtree
 from ddtree import kernels
 from ddtree.kernels.backend import Backend, resolve_backend
 from ddtree.kernels.types import MAX_BUDGET, MAX_DRAFT_LEN, Acceptance, ErrorFlag, Tree

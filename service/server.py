@@ -1,0 +1,404 @@
+"""The gRPC server: config, engine, interceptors, health, reflection, signals and shutdown.
+
+``create_server(config)`` builds everything and binds the listen addresses; ``Server.start()``
+starts serving with health NOT_SERVING, warms the engine up, then reports SERVING; ``serve()``
+runs it until SIGTERM/SIGINT and drains: health NOT_SERVING, ``stop(grace)``, engine released.
+
+Errors: one interceptor (``ErrorMappingInterceptor``) turns every ``DDTreeError`` into its
+status code with ``google.rpc`` details in ``grpc-status-details-bin`` (``ErrorInfo`` always,
+``BadRequest`` when a field is at fault, ``RetryInfo`` when retrying helps), table-driven from
+the error classes. Anything else becomes INTERNAL with a generic message and a request id; the
+traceback goes to the log only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ddtree.service.calls import CallLimits
+from ddtree.service.config import ServiceConfig, parse_listen
+from ddtree.service.convert import TensorResolver
+from ddtree.service.engine import Engine, EngineObserver
+from ddtree.service.errors import DDTreeError, Internal, Overloaded
+from ddtree.service.servicer import TreeSpeculationServicer
+from ddtree.v1 import tree_speculation_service_pb2 as pb
+from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
+
+__all__ = [
+    "ERROR_DOMAIN",
+    "SERVICE_NAME",
+    "CallObserver",
+    "ErrorMappingInterceptor",
+    "Server",
+    "create_server",
+    "serve",
+    "status_details",
+]
+
+_log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TreeSpeculationService"].full_name
+"""Fully qualified service name, ``ddtree.v1.TreeSpeculationService``."""
+
+ERROR_DOMAIN = "ddtree.v1"
+"""``google.rpc.ErrorInfo.domain`` of every ddtree error."""
+
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class CallObserver(Protocol):
+    """Told about every call of the service (``ddtree.service.metrics.Metrics`` fits)."""
+
+    def rpc_started(self, service: str, method: str) -> None:
+        """A call of ``service/method`` was received."""
+        ...
+
+    def rpc_finished(self, service: str, method: str, code: str, latency_seconds: float) -> None:
+        """The call ended with status ``code`` (``"OK"``, ``"INVALID_ARGUMENT"``, ...)."""
+        ...
+
+
+def status_details(error: DDTreeError, request_id: str) -> status_pb2.Status:
+    """The ``google.rpc.Status`` sent for ``error``: code, message and details.
+
+    Parameters
+    ----------
+    error : DDTreeError
+        The error; its class gives the code, reason and retry delay.
+    request_id : str
+        Id of the call, also in the server log; added to ``ErrorInfo.metadata``.
+    """
+    code = grpc.StatusCode[error.code]
+    info = error_details_pb2.ErrorInfo(
+        reason=error.reason,
+        domain=ERROR_DOMAIN,
+        metadata={**error.metadata, "request_id": request_id},
+    )
+    details = [info]
+    if error.field is not None:
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=error.field, description=error.message
+        )
+        details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    if error.retry_after_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(error.retry_after_s * 1e9))
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    packed = []
+    for detail in details:
+        wrapped = any_pb2.Any()
+        wrapped.Pack(detail)
+        packed.append(wrapped)
+    return status_pb2.Status(code=code.value[0], message=error.message, details=packed)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: DDTreeError, request_id: str) -> None:
+    status = status_details(error, request_id)
+    await context.abort(
+        grpc.StatusCode[error.code],
+        error.message,
+        trailing_metadata=((_STATUS_DETAILS_KEY, status.SerializeToString()),),
+    )
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions of ``TreeSpeculationService`` methods to statuses; limits concurrency.
+
+    Parameters
+    ----------
+    max_concurrent_calls : int
+        Calls of the service handled at once; one more gets RESOURCE_EXHAUSTED (``OVERLOADED``).
+    call_observer : CallObserver, optional
+        Told when each call starts and ends (metrics).
+
+    Notes
+    -----
+    Health and reflection calls pass through untouched and do not count against the limit.
+    """
+
+    def __init__(self, *, max_concurrent_calls: int, call_observer: CallObserver | None = None):
+        self._max_concurrent_calls = max_concurrent_calls
+        self._observer = call_observer
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Calls of the service being handled now."""
+        return self._in_flight
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        full_method = handler_call_details.method
+        if handler is None or handler.unary_unary is None:
+            return handler
+        if not full_method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            self._wrap(full_method.rsplit("/", 1)[1], handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _wrap(
+        self, method: str, inner: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            request_id = secrets.token_hex(8)
+            started = time.perf_counter()
+            code = "OK"
+            if self._observer is not None:
+                self._observer.rpc_started(SERVICE_NAME, method)
+            try:
+                if self._in_flight >= self._max_concurrent_calls:
+                    raise Overloaded(
+                        f"server is at max_concurrent_calls={self._max_concurrent_calls}; "
+                        "retry after the suggested delay"
+                    )
+                self._in_flight += 1
+                try:
+                    return await inner(request, context)
+                finally:
+                    self._in_flight -= 1
+            except DDTreeError as err:
+                code = err.code
+                _log.info(
+                    "event=rpc_error method=%s request_id=%s code=%s reason=%s message=%s",
+                    method,
+                    request_id,
+                    err.code,
+                    err.reason,
+                    err.message,
+                )
+                await _abort(context, err, request_id)
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                _log.info("event=rpc_cancelled method=%s request_id=%s", method, request_id)
+                raise
+            except Exception:
+                code = "INTERNAL"
+                _log.exception("event=rpc_internal method=%s request_id=%s", method, request_id)
+                await _abort(
+                    context,
+                    Internal(
+                        f"internal server error; quote request_id={request_id} when reporting"
+                    ),
+                    request_id,
+                )
+            finally:
+                if self._observer is not None:
+                    self._observer.rpc_finished(
+                        SERVICE_NAME, method, code, time.perf_counter() - started
+                    )
+
+        return handle
+
+
+class Server:
+    """A bound, not yet started ddtree server (made by ``create_server``).
+
+    Attributes
+    ----------
+    config : ServiceConfig
+        The configuration it was built from.
+    engine : Engine
+        The engine it serves; closed by ``stop``.
+    grpc_server : grpc.aio.Server
+        The underlying server.
+    health : grpc_health.v1.health.aio.HealthServicer
+        Health of ``""`` and ``SERVICE_NAME``.
+    addresses : list of str
+        The bound addresses, with the real port for ``host:0``.
+    """
+
+    def __init__(
+        self,
+        config: ServiceConfig,
+        engine: Engine,
+        grpc_server: grpc.aio.Server,
+        health_servicer: health.aio.HealthServicer,
+        addresses: list[str],
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.grpc_server = grpc_server
+        self.health = health_servicer
+        self.addresses = addresses
+        self._stopped = False
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self, *, warm_up: bool = True) -> None:
+        """Serve with health NOT_SERVING, warm the engine up, then report SERVING.
+
+        Calls that arrive during warm-up get UNAVAILABLE (``WARMING_UP``).
+
+        Parameters
+        ----------
+        warm_up : bool
+            Whether to warm up here; with ``False`` the caller calls ``mark_serving`` after
+            warming the engine itself.
+        """
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.grpc_server.start()
+        _log.info("event=listening addresses=%s", ",".join(self.addresses))
+        if warm_up:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.warm_up)
+            await self.mark_serving()
+
+    async def mark_serving(self) -> None:
+        """Report SERVING for ``""`` and the service (after the engine is warm)."""
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        _log.info("event=serving device=%s backend=%s", self.engine.device, self.engine.backend)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: health NOT_SERVING, refuse new calls, let in-flight ones finish, release.
+
+        Parameters
+        ----------
+        grace_s : float, optional
+            Seconds in-flight calls get; ``config.grace_s`` by default. Idempotent.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        _log.info("event=draining grace_s=%s", grace)
+        await self.grpc_server.stop(grace)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        _log.info("event=stopped")
+
+    async def wait_for_termination(self) -> None:
+        """Wait until the gRPC server has stopped."""
+        await self.grpc_server.wait_for_termination()
+
+
+def create_server(
+    config: ServiceConfig,
+    *,
+    engine: Engine | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    call_observer: CallObserver | None = None,
+    engine_observer: EngineObserver | None = None,
+) -> tuple[Server, list[str]]:
+    """Build the server for ``config`` and bind its listen addresses (call inside a loop).
+
+    Parameters
+    ----------
+    config : ServiceConfig
+        Addresses, limits, device and backend.
+    engine : Engine, optional
+        An engine to serve (tests); by default one is made from ``config``. Either way the
+        server closes it on ``stop``.
+    interceptors : sequence of grpc.aio.ServerInterceptor
+        Extra interceptors, run outside the error-mapping one (so they see DDTree statuses).
+    call_observer : CallObserver, optional
+        Told about every service call (metrics).
+    engine_observer : EngineObserver, optional
+        Told about every op, when the engine is made here (metrics).
+
+    Returns
+    -------
+    tuple of (Server, list of str)
+        The server (not started) and its bound addresses, TCP ports resolved.
+
+    Raises
+    ------
+    ValueError
+        The device or backend in ``config`` is not available here.
+    RuntimeError
+        An address cannot be bound.
+    """
+    limits = CallLimits(
+        max_batch_size=config.max_batch_size, max_tensor_bytes=config.max_tensor_bytes
+    )
+    if engine is None:
+        engine = Engine(
+            device=config.device, backend=config.backend, limits=limits, observer=engine_observer
+        )
+    error_interceptor = ErrorMappingInterceptor(
+        max_concurrent_calls=config.max_concurrent_calls, call_observer=call_observer
+    )
+    grpc_server = grpc.aio.server(
+        interceptors=[*interceptors, error_interceptor],
+        options=[
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_TreeSpeculationServiceServicer_to_server(
+        TreeSpeculationServicer(engine, config, TensorResolver(engine.limits)), grpc_server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
+    )
+    addresses = []
+    for address in config.listen:
+        kind, _ = parse_listen(address)
+        port = grpc_server.add_insecure_port(address)
+        if kind == "tcp":
+            host = address.rpartition(":")[0]
+            addresses.append(f"{host}:{port}")
+        else:
+            addresses.append(address)
+    return Server(config, engine, grpc_server, health_servicer, addresses), addresses
+
+
+async def _serve(config: ServiceConfig) -> int:
+    try:
+        server, _ = create_server(config)
+    except (ValueError, RuntimeError) as err:
+        _log.error("event=startup_failed error=%s", err)
+        return 1
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        await server.start()
+    except Exception:
+        _log.exception("event=warm_up_failed")
+        await server.stop(0)
+        return 1
+    # TODO(#6): start the Prometheus endpoint on config.metrics_port and pass the metrics as
+    # call_observer / engine_observer to create_server.
+    await stop_requested.wait()
+    _log.info("event=signal_received")
+    await server.stop()
+    return 0
+
+
+def serve(config: ServiceConfig) -> int:
+    """Run a server for ``config`` until SIGTERM or SIGINT, then drain; returns the exit code.
+
+    Exit codes: 0 after a clean drain, 1 when the server could not start (bind, device or
+    warm-up failure; the log says why).
+    """
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    os.environ.update(config.kernel_environment())
+    return asyncio.run(_serve(config))

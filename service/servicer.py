@@ -1,0 +1,139 @@
+"""The thin ``grpc.aio`` servicer: decode (``convert``), one engine call, encode.
+
+No business logic and no device calls here. Errors are raised as ``DDTreeError`` subclasses and
+mapped to status codes by the server's interceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future
+from typing import TypeVar
+
+import grpc
+
+from ddtree.service import convert
+from ddtree.service.config import ServiceConfig
+from ddtree.service.engine import Engine
+from ddtree.service.errors import (
+    DeadlineExceeded,
+    MemoryRegistrationUnsupported,
+    MemoryTokenNotFound,
+)
+from ddtree.v1 import tree_speculation_service_pb2 as pb
+from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
+
+__all__ = ["TreeSpeculationServicer"]
+
+_T = TypeVar("_T")
+
+
+class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
+    """``ddtree.v1.TreeSpeculationService`` over an ``Engine``.
+
+    Parameters
+    ----------
+    engine : Engine
+        Runs the ops; owned by the server, not by the servicer.
+    config : ServiceConfig
+        Limits reported by GetServerInfo and the deadline cap.
+    resolver : convert.TensorResolver
+        Decodes request tensors.
+    """
+
+    def __init__(
+        self, engine: Engine, config: ServiceConfig, resolver: convert.TensorResolver
+    ) -> None:
+        self._engine = engine
+        self._config = config
+        self._resolver = resolver
+
+    def _budget_s(self, context: grpc.aio.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        cap = self._config.request_deadline_cap_s
+        return cap if remaining is None else min(remaining, cap)
+
+    async def _await(self, future: Future[_T], budget_s: float) -> _T:
+        # wait_for cancels the engine's future on timeout or when the RPC is cancelled, which
+        # drops the work if it has not started yet.
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), budget_s)
+        except asyncio.TimeoutError as err:
+            raise DeadlineExceeded(
+                f"the call did not finish within its deadline ({budget_s:.3f} s, capped at "
+                f"{self._config.request_deadline_cap_s:g} s)"
+            ) from err
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerInfoResponse:
+        """Version, devices and limits."""
+        return convert.server_info_to_proto(
+            self._engine.info(),
+            max_message_bytes=self._config.max_message_bytes,
+            max_concurrent_calls=self._config.max_concurrent_calls,
+            request_deadline_cap_s=self._config.request_deadline_cap_s,
+        )
+
+    async def RegisterMemory(
+        self, request: pb.RegisterMemoryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterMemoryResponse:
+        """Refused: this server has no registered memory support."""
+        raise MemoryRegistrationUnsupported(
+            "register_memory: this server does not support registered memory; send tensors "
+            "inline (GetServerInfo.supports_memory_references is false)"
+        )
+
+    async def UnregisterMemory(
+        self, request: pb.UnregisterMemoryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnregisterMemoryResponse:
+        """No region exists on this server, so every token is unknown."""
+        raise MemoryTokenNotFound(
+            "unregister_memory.region_token: unknown region token",
+            field="unregister_memory.region_token",
+        )
+
+    async def ListMemory(
+        self, request: pb.ListMemoryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListMemoryResponse:
+        """No region exists on this server: an empty list."""
+        return pb.ListMemoryResponse()
+
+    async def BuildTree(
+        self, request: pb.BuildTreeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BuildTreeResponse:
+        """Build the draft trees."""
+        budget_s = self._budget_s(context)
+        call = convert.build_tree_call(
+            request, self._resolver, deadline_s=time.monotonic() + budget_s
+        )
+        tree = await self._await(self._engine.build_tree(call), budget_s)
+        return pb.BuildTreeResponse(tree=convert.tree_to_proto(tree))
+
+    async def AcceptTree(
+        self, request: pb.AcceptTreeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AcceptTreeResponse:
+        """Walk the trees; commit the KV cache when asked and return it (sent inline)."""
+        budget_s = self._budget_s(context)
+        call = convert.accept_tree_call(
+            request, self._resolver, deadline_s=time.monotonic() + budget_s
+        )
+        result = await self._await(self._engine.accept_tree(call), budget_s)
+        response = pb.AcceptTreeResponse(acceptance=convert.acceptance_to_proto(result.acceptance))
+        if result.kv_cache is not None:
+            response.kv_cache.CopyFrom(convert.tensor_to_proto(result.kv_cache))
+        return response
+
+    async def VerifyAttention(
+        self, request: pb.VerifyAttentionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.VerifyAttentionResponse:
+        """Tree-masked paged attention."""
+        budget_s = self._budget_s(context)
+        call = convert.verify_attention_call(
+            request, self._resolver, deadline_s=time.monotonic() + budget_s
+        )
+        out, lse = await self._await(self._engine.verify_attention(call), budget_s)
+        return pb.VerifyAttentionResponse(
+            out=convert.tensor_to_proto(out), lse=convert.tensor_to_proto(lse)
+        )
