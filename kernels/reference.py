@@ -134,6 +134,28 @@ def unpack_mask(mask: torch.Tensor, num_nodes_max: int) -> torch.Tensor:
     return bits.flatten(-2)[..., :num_nodes_max].bool()  # [batch, rows, nodes]
 
 
+def _descending_key(values: torch.Tensor, tie_break: torch.Tensor) -> torch.Tensor:
+    """Unique int64 sort keys: ``values`` (fp32, no NaN) descending, then ``tie_break`` ascending.
+
+    ``tie_break`` holds non-negative ints below ``2**31``; ``-0.0`` and ``0.0`` count as equal.
+    """
+    bits = (values + 0.0).view(torch.int32).long()  # [...]
+    # Flipping the magnitude bits of negative floats makes the int order the float order.
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # [...], in [-2**31, 2**31)
+    return ((2**31 - 1) - ordered) * 2**31 + tie_break  # [...]
+
+
+def _first_k(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` smallest (unique) keys along dim 1, smallest first."""
+    return torch.topk(keys, k, dim=1, largest=False, sorted=True).indices  # [batch, k]
+
+
+def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inverse[b, order[b, i]] = i`` for a batch of permutations along dim 1."""
+    steps = torch.arange(order.shape[1], device=order.device).expand_as(order)  # [batch, n]
+    return torch.empty_like(order).scatter_(1, order, steps)  # [batch, n]
+
+
 def build_tree(
     draft_logits: torch.Tensor,
     root_tokens: torch.Tensor,
@@ -184,9 +206,10 @@ def build_tree(
     # Per depth: the top-K token ids in rank order and their log-probabilities.
     top_ids = torch.empty(batch_size, draft_len, top_k, dtype=torch.int64, device=device)
     top_log_probs = torch.empty(batch_size, draft_len, top_k, dtype=torch.float32, device=device)
+    vocab_ids = torch.arange(vocab_size, device=device)  # [vocab]
     for depth in range(draft_len):
         x = scaled_logits(draft_logits[:, depth], temperature)  # [batch, vocab]
-        ranked = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :top_k]  # [b, k]
+        ranked = _first_k(_descending_key(x, vocab_ids), top_k)  # [batch, k]
         top_ids[:, depth] = ranked
         top_log_probs[:, depth] = _log_softmax(x).gather(1, ranked)  # [batch, k]
 
@@ -200,44 +223,40 @@ def build_tree(
     scores[:, 0, :top_k] = top_log_probs[:, 0]
     ranks[:, 0, :top_k] = torch.arange(top_k, device=device)
     tuples[:, 0, :, 0] = ranks[:, 0]
-    # Lexicographic position of each beam entry (slots past top_k hold -inf scores).
-    lex_rank = torch.arange(beam, device=device).expand(batch_size, -1)  # [batch, beam]
-    rank_ids = torch.arange(top_k, device=device)  # [k]
+    # Beam slots in lexicographic order of their rank tuples (slots past top_k hold -inf).
+    lex_order = torch.arange(beam, device=device).expand(batch_size, -1)  # [batch, beam]
     for depth in range(1, draft_len):
-        child = scores[:, depth - 1, :, None] + top_log_probs[:, depth, None, :]  # [b, beam, k]
-        child_key = lex_rank[:, :, None] * top_k + rank_ids  # [batch, beam, k]
-        by_key = torch.sort(child_key.flatten(1), dim=1, stable=True).indices  # [b, beam*k]
-        child_sorted = child.flatten(1).gather(1, by_key)  # [batch, beam*k]
-        by_score = torch.sort(child_sorted, dim=1, descending=True, stable=True).indices
-        kept = by_key.gather(1, by_score[:, :beam])  # [batch, beam] flat child index
+        # Parents taken in lexicographic order make the flat child index (parent position
+        # times K plus rank) the children's lexicographic key.
+        parent_scores = scores[:, depth - 1].gather(1, lex_order)  # [batch, beam]
+        child = parent_scores[:, :, None] + top_log_probs[:, depth, None, :]  # [b, beam, k]
+        lex_index = torch.arange(beam * top_k, device=device)  # [beam*k]
+        kept = _first_k(_descending_key(child.flatten(1), lex_index), beam)  # [batch, beam]
         scores[:, depth] = child.flatten(1).gather(1, kept)
-        parent_slot[:, depth] = kept // top_k
+        parent_slot[:, depth] = lex_order.gather(1, kept // top_k)
         ranks[:, depth] = kept % top_k
         parent_tuple = tuples[:, depth - 1].gather(
             1, parent_slot[:, depth, :, None].expand(-1, -1, draft_len)
         )  # [batch, beam, depth]
         tuples[:, depth] = parent_tuple
         tuples[:, depth, :, depth] = ranks[:, depth]
-        kept_key = child_key.flatten(1).gather(1, kept)  # [batch, beam]
-        lex_rank = torch.argsort(torch.argsort(kept_key, dim=1), dim=1)  # [batch, beam]
+        lex_order = torch.argsort(kept, dim=1)  # [batch, beam]
 
-    # Merge all depths: lexicographic order by a chain of stable sorts (last column first),
-    # then a stable sort by score descending.
+    # Merge all depths: lexicographic positions by a chain of stable sorts (last column
+    # first), then the total order (score descending, lexicographic position ascending).
     flat_tuples = tuples.flatten(1, 2)  # [batch, depth*beam, depth]
-    order = torch.arange(draft_len * beam, device=device).expand(batch_size, -1)  # [b, d*beam]
+    lex = torch.arange(draft_len * beam, device=device).expand(batch_size, -1)  # [b, d*beam]
     for column in reversed(range(draft_len)):
-        keys = flat_tuples[:, :, column].gather(1, order)  # [batch, depth*beam]
-        order = order.gather(1, torch.sort(keys, dim=1, stable=True).indices)  # [b, d*beam]
+        keys = flat_tuples[:, :, column].gather(1, lex)  # [batch, depth*beam]
+        lex = lex.gather(1, torch.sort(keys, dim=1, stable=True).indices)  # [b, d*beam]
+    lex_position = _inverse_permutation(lex)  # [batch, depth*beam]
     flat_scores = scores.flatten(1)  # [batch, depth*beam]
-    by_score = torch.sort(flat_scores.gather(1, order), dim=1, descending=True, stable=True)
-    order = order.gather(1, by_score.indices)  # [batch, depth*beam]
-    position = torch.empty_like(order).scatter_(
-        1, order, torch.arange(order.shape[1], device=device).expand(batch_size, -1)
-    )  # [batch, depth*beam]: place of each beam entry in the merged order
+    order = torch.sort(_descending_key(flat_scores, lex_position), dim=1).indices  # [b, d*b]
+    position = _inverse_permutation(order)  # [batch, depth*beam]: place in the merged order
 
     # Cut each request at its budget and at the first impossible prefix.
     picked = order[:, :beam]  # [batch, beam]
-    picked_scores = by_score.values[:, :beam]  # [batch, beam]
+    picked_scores = flat_scores.gather(1, picked)  # [batch, beam]
     slot = torch.arange(beam, device=device)  # [beam]
     is_node = (
         (slot < budgets[:, None]) & torch.isfinite(picked_scores) & ~skip[:, None]
