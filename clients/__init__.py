@@ -1,0 +1,27 @@
+"""Python clients of the ddtree service.
+
+- ``Client`` / ``AsyncClient``: remote, over gRPC (``host:port`` or ``unix:/path``); need only
+  the base dependencies.
+- ``EmbeddedClient``: the same methods over an engine in this process (needs the ``server``
+  extra's code paths, imported when it is created).
+
+All three return ``ddtree.kernels.types.Tree`` / ``Acceptance`` and raise
+``ddtree.clients.errors`` exceptions.
+"""
+
+from ddtree.clients.embedded import EmbeddedClient
+from ddtree.clients.errors import DDTreeClientError
+from ddtree.clients.remote import AsyncClient, Client, RetryPolicy
+from ddtree.clients.types import DeviceInfo, KvCommit, ServerInfo, ServerLimits
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "DDTreeClientError",
+    "DeviceInfo",
+    "EmbeddedClient",
+    "KvCommit",
+    "RetryPolicy",
+    "ServerInfo",
+    "ServerLimits",
+]

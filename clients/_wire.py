@@ -1,0 +1,253 @@
+"""Wire encoding shared by the remote clients: tensors, requests, responses and error details.
+
+Knows only the wire contract (``ddtree.v1``) and ``ddtree.kernels.types``; never the server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any
+
+import grpc
+import torch
+from google.rpc import error_details_pb2, status_pb2
+
+from ddtree.clients.errors import DDTreeClientError, error_for
+from ddtree.clients.types import DeviceInfo, KvCommit, ServerInfo, ServerLimits
+from ddtree.kernels.types import Acceptance, Tree
+from ddtree.v1 import tensor_pb2, tree_pb2
+from ddtree.v1 import tree_speculation_service_pb2 as pb
+
+if sys.byteorder != "little":  # inline tensors are little-endian; torch uses host order
+    raise ImportError("ddtree.clients needs a little-endian host")
+
+_TO_WIRE: dict[torch.dtype, int] = {
+    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
+    torch.float16: tensor_pb2.DTYPE_FLOAT16,
+    torch.float32: tensor_pb2.DTYPE_FLOAT32,
+    torch.int32: tensor_pb2.DTYPE_INT32,
+    torch.int64: tensor_pb2.DTYPE_INT64,
+    torch.uint8: tensor_pb2.DTYPE_UINT8,
+}
+_FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
+_STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def encode_tensor(tensor: torch.Tensor, field: str) -> tensor_pb2.Tensor:
+    """Encode ``tensor`` inline (little-endian, C order), copying it to the host if needed."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{field}: expected a torch.Tensor, got {type(tensor).__name__}")
+    dtype = _TO_WIRE.get(tensor.dtype)
+    if dtype is None:
+        raise TypeError(f"{field}: dtype {tensor.dtype} cannot travel on the wire")
+    host = tensor.detach().to("cpu").contiguous()
+    byte_size = host.numel() * host.element_size()
+    data = ctypes.string_at(host.data_ptr(), byte_size) if byte_size else b""
+    return tensor_pb2.Tensor(dtype=dtype, shape=list(host.shape), inline=data)
+
+
+def decode_tensor(message: tensor_pb2.Tensor, device: torch.device) -> torch.Tensor:
+    """Decode an inline tensor of a response onto ``device``."""
+    dtype = _FROM_WIRE.get(message.dtype)
+    if dtype is None or message.WhichOneof("data") != "inline":
+        raise DDTreeClientError(
+            "DATA_LOSS", f"response tensor with dtype {message.dtype} and no inline data"
+        )
+    shape = tuple(message.shape)
+    if not message.inline:
+        return torch.empty(shape, dtype=dtype, device=device)
+    host = torch.frombuffer(bytearray(message.inline), dtype=dtype).reshape(shape)
+    return host.to(device)
+
+
+def encode_tree(tree: Tree) -> tree_pb2.Tree:
+    """Encode a ``Tree`` inline."""
+    return tree_pb2.Tree(
+        tokens=encode_tensor(tree.tokens, "tree.tokens"),
+        parents=encode_tensor(tree.parents, "tree.parents"),
+        depths=encode_tensor(tree.depths, "tree.depths"),
+        log_probs=encode_tensor(tree.log_probs, "tree.log_probs"),
+        num_nodes=encode_tensor(tree.num_nodes, "tree.num_nodes"),
+        mask=encode_tensor(tree.mask, "tree.mask"),
+        draft_len=tree.draft_len,
+    )
+
+
+def decode_tree(message: tree_pb2.Tree, device: torch.device) -> Tree:
+    """Decode an inline ``Tree`` onto ``device``."""
+    return Tree(
+        tokens=decode_tensor(message.tokens, device),
+        parents=decode_tensor(message.parents, device),
+        depths=decode_tensor(message.depths, device),
+        log_probs=decode_tensor(message.log_probs, device),
+        num_nodes=decode_tensor(message.num_nodes, device),
+        mask=decode_tensor(message.mask, device),
+        draft_len=int(message.draft_len),
+    )
+
+
+def decode_acceptance(message: tree_pb2.Acceptance, device: torch.device) -> Acceptance:
+    """Decode an inline ``Acceptance`` onto ``device``."""
+    return Acceptance(
+        nodes=decode_tensor(message.nodes, device),
+        tokens=decode_tensor(message.tokens, device),
+        length=decode_tensor(message.length, device),
+        bonus=decode_tensor(message.bonus, device),
+    )
+
+
+def build_tree_request(
+    draft_logits: torch.Tensor,
+    root_tokens: torch.Tensor,
+    budget: int | torch.Tensor,
+    *,
+    temperature: float,
+    max_budget: int | None,
+    model: str,
+) -> pb.BuildTreeRequest:
+    """The BuildTree request for the client's arguments."""
+    request = pb.BuildTreeRequest(
+        draft_logits=encode_tensor(draft_logits, "draft_logits"),
+        root_tokens=encode_tensor(root_tokens, "root_tokens"),
+        temperature=temperature,
+        max_budget=max_budget or 0,
+        model=model,
+    )
+    if isinstance(budget, torch.Tensor):
+        request.budgets.CopyFrom(encode_tensor(budget, "budget"))
+    else:
+        request.budget = int(budget)
+    return request
+
+
+def accept_tree_request(
+    tree: Tree,
+    target_tokens: torch.Tensor | None,
+    *,
+    target_logits: torch.Tensor | None,
+    temperature: float,
+    seed: int | None,
+    kv_commit: KvCommit | None,
+    model: str,
+) -> pb.AcceptTreeRequest:
+    """The AcceptTree request for the client's arguments (KV cache inline)."""
+    request = pb.AcceptTreeRequest(tree=encode_tree(tree), temperature=temperature, model=model)
+    if target_tokens is not None:
+        request.target_tokens.CopyFrom(encode_tensor(target_tokens, "target_tokens"))
+    if target_logits is not None:
+        request.target_logits.CopyFrom(encode_tensor(target_logits, "target_logits"))
+    if seed is not None:
+        request.seed = seed
+    if kv_commit is not None:
+        request.kv_commit.CopyFrom(
+            pb.KvCommit(
+                kv_cache=encode_tensor(kv_commit.kv_cache, "kv_commit.kv_cache"),
+                block_table=encode_tensor(kv_commit.block_table, "kv_commit.block_table"),
+                prefix_lens=encode_tensor(kv_commit.prefix_lens, "kv_commit.prefix_lens"),
+            )
+        )
+    return request
+
+
+def finish_accept_tree(
+    response: pb.AcceptTreeResponse, tree: Tree, kv_commit: KvCommit | None
+) -> Acceptance:
+    """Decode the acceptance and copy a returned KV cache into the caller's tensor in place."""
+    if kv_commit is not None and response.HasField("kv_cache"):
+        compacted = decode_tensor(response.kv_cache, kv_commit.kv_cache.device)
+        kv_commit.kv_cache.copy_(compacted)
+    return decode_acceptance(response.acceptance, tree.device)
+
+
+def verify_attention_request(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree: Tree,
+    *,
+    v_dim: int,
+    sm_scale: float | None,
+    model: str,
+) -> pb.VerifyAttentionRequest:
+    """The VerifyAttention request for the client's arguments."""
+    request = pb.VerifyAttentionRequest(
+        q=encode_tensor(q, "q"),
+        kv_cache=encode_tensor(kv_cache, "kv_cache"),
+        block_table=encode_tensor(block_table, "block_table"),
+        prefix_lens=encode_tensor(prefix_lens, "prefix_lens"),
+        tree=encode_tree(tree),
+        v_dim=v_dim,
+        model=model,
+    )
+    if sm_scale is not None:
+        request.sm_scale = sm_scale
+    return request
+
+
+def decode_server_info(response: pb.GetServerInfoResponse) -> ServerInfo:
+    """Decode GetServerInfo."""
+    limits = response.limits
+    return ServerInfo(
+        version=response.version,
+        devices=tuple(
+            DeviceInfo(
+                uuid=d.uuid,
+                name=d.name,
+                compute_capability=(d.compute_capability_major, d.compute_capability_minor),
+                total_memory_bytes=d.total_memory_bytes,
+                backend=d.backend,
+            )
+            for d in response.devices
+        ),
+        limits=ServerLimits(
+            max_budget=limits.max_budget,
+            max_draft_len=limits.max_draft_len,
+            max_message_bytes=limits.max_message_bytes,
+            max_tensor_bytes=limits.max_tensor_bytes,
+            max_batch_size=limits.max_batch_size,
+            max_concurrent_calls=limits.max_concurrent_calls,
+            request_deadline_cap_s=limits.request_deadline_cap_s,
+        ),
+        supports_memory_references=response.supports_memory_references,
+    )
+
+
+def error_from_rpc(err: grpc.RpcError) -> DDTreeClientError:
+    """The client exception for a failed call, from its status and ``google.rpc`` details."""
+    call: Any = err
+    code = call.code()
+    code_name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    message = call.details() or ""
+    reason = ""
+    field = None
+    metadata: dict[str, str] = {}
+    retry_after_s = None
+    for key, value in call.trailing_metadata() or ():
+        if key != _STATUS_DETAILS_KEY:
+            continue
+        status = status_pb2.Status.FromString(value)
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = info.reason
+                metadata.update(info.metadata)
+            elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                detail.Unpack(bad)
+                if bad.field_violations:
+                    field = bad.field_violations[0].field
+            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                retry_after_s = retry.retry_delay.ToNanoseconds() / 1e9
+    return error_for(
+        code_name,
+        message,
+        reason=reason,
+        field=field,
+        metadata=metadata,
+        retry_after_s=retry_after_s,
+    )
