@@ -43,41 +43,42 @@ extern "C" __global__ void ddtree_commit_kv(
 
   const int len = length[b];
   const int prefix = prefix_lens[b];
-  if (tid == 0) {
-    int flags = 0;
-    if (len < 1 || len > path_len) flags |= DDTREE_ERR_ACCEPTANCE;
-    if (prefix < 0) flags |= DDTREE_ERR_LENGTH;
-    verdict = flags;
+  const bool len_ok = len >= 1 && len <= path_len;
+  // Path shape first (checks.acceptance_flags); paging is judged only for well-formed paths.
+  if (tid < path_len && len_ok && tid < len) {
+    const int node = nodes[(int64_t)b * path_len + tid];
+    const bool bad = tid == 0 ? node != 0 : node <= nodes[(int64_t)b * path_len + tid - 1];
+    if (bad) atomicOr(&verdict, DDTREE_ERR_ACCEPTANCE);
   }
+  if (tid == 0 && !len_ok) atomicOr(&verdict, DDTREE_ERR_ACCEPTANCE);
   __syncthreads();
   if (verdict == 0 && tid < len) {
+    // checks.commit_kv_flags: LENGTH for a negative prefix or a last source past the table,
+    // BLOCK_TABLE for a touched position inside the table whose entry is out of range.
     const int m = tid;
-    const int node = nodes[(int64_t)b * path_len + m];
-    const int prev = m > 0 ? nodes[(int64_t)b * path_len + m - 1] : -1;
-    int flags = 0;
-    // A path is root-anchored and strictly increasing; node m >= m follows from that.
-    if ((m == 0 && node != 0) || (m > 0 && node <= prev)) flags |= DDTREE_ERR_ACCEPTANCE;
     const int64_t capacity = (int64_t)max_pages * page_size;
-    const int64_t src = (int64_t)prefix + node;
+    const int64_t src = (int64_t)prefix + nodes[(int64_t)b * path_len + m];
     const int64_t dst = (int64_t)prefix + m;
-    if (!flags && src >= capacity) flags |= DDTREE_ERR_LENGTH;
-    if (!flags) {
-      const int sp = block_table[(int64_t)b * max_pages + (int)(src / page_size)];
-      const int dp = block_table[(int64_t)b * max_pages + (int)(dst / page_size)];
-      if (sp < 0 || sp >= num_pages || dp < 0 || dp >= num_pages) {
-        flags |= DDTREE_ERR_BLOCK_TABLE;
-      } else {
-        src_row[m] = sp * page_size + (int)(src % page_size);
-        dst_row[m] = dp * page_size + (int)(dst % page_size);
-      }
+    int flags = 0;
+    if (prefix < 0 || (m == len - 1 && src >= capacity)) flags |= DDTREE_ERR_LENGTH;
+    int sp = -1, dp = -1;
+    if (src >= 0 && src < capacity) {
+      sp = block_table[(int64_t)b * max_pages + (int)(src / page_size)];
+      if (sp < 0 || sp >= num_pages) flags |= DDTREE_ERR_BLOCK_TABLE;
     }
+    if (dst >= 0 && dst < capacity) {
+      dp = block_table[(int64_t)b * max_pages + (int)(dst / page_size)];
+      if (dp < 0 || dp >= num_pages) flags |= DDTREE_ERR_BLOCK_TABLE;
+    }
+    src_row[m] = sp * page_size + (int)(src % page_size);
+    dst_row[m] = dp * page_size + (int)(dst % page_size);
     if (flags) atomicOr(&verdict, flags);
   }
   __syncthreads();
-  if (verdict != 0) {
-    if (blockIdx.y == 0 && tid == 0) atomicOr(&error_flags[b], verdict);
-    return;
-  }
+  const int found = verdict;
+  if (blockIdx.y == 0 && tid == 0 && found) atomicOr(&error_flags[b], found);
+  // A request already flagged by an earlier op is left untouched as well.
+  if (found != 0 || error_flags[b] != 0) return;
 
   const int col0 = blockIdx.y * COLS_PER_BLOCK;
   const int cols = min(COLS_PER_BLOCK, row_vecs - col0);

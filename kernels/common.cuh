@@ -86,10 +86,11 @@ __device__ __forceinline__ uint32_t ddtree_noise_key(int64_t seed, uint32_t requ
   return ddtree_mix32(k ^ node);
 }
 
-// Gumbel(0, 1) noise of token v under key k: u = ((h >> 8) + 0.5) * 2^-24, g = -log(-log(u)).
+// Gumbel(0, 1) noise of token v under key k: h = mix32(k ^ v), u = ((h >> 9) + 0.5) * 2^-23
+// (exact in fp32, inside (0, 1)), g = -log(-log(u)) in fp32 (reference.sampling_noise).
 __device__ __forceinline__ float ddtree_gumbel(uint32_t key, uint32_t token) {
-  uint32_t h = ddtree_mix32(key ^ token);
-  float u = ((float)(h >> 8) + 0.5f) * 5.9604644775390625e-08f;
+  const uint32_t h = ddtree_mix32(key ^ token);
+  const float u = ((float)(h >> 9) + 0.5f) * 1.1920928955078125e-07f;
   return -logf(-logf(u));
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from ddtree.kernels import jit
 
 needs_nvrtc = pytest.mark.skipif(

@@ -1,0 +1,449 @@
+"""CUDA launchers of ``build_tree``, ``accept`` and ``commit_kv`` (kernels in ``*.cu`` beside this).
+
+Each function takes exactly the keyword arguments of the public op (minus ``backend``; see
+``ddtree.kernels.build_tree``, ``accept``, ``commit_kv`` for the contract), checks shapes, dtypes
+and limits on the host with ``ddtree.kernels.checks``, and launches on torch's current stream.
+With ``error_flags`` given, nothing synchronises with the host: out-of-range caller data is
+flagged by the kernels. Without it, the caller data is checked eagerly (a host sync) and bad data
+raises ``ValueError``, as documented by the public ops.
+
+Launch geometry is computed by pure functions (``build_tree_plan``, ``accept_launch_params``,
+``commit_kv_launch_params``) that need no GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddtree.kernels import checks, jit
+from ddtree.kernels.reference import _MESSAGES
+from ddtree.kernels.types import MAX_DRAFT_LEN, Acceptance, ErrorFlag, Tree, mask_words
+
+__all__ = [
+    "BuildTreePlan",
+    "accept",
+    "accept_launch_params",
+    "build_tree",
+    "build_tree_plan",
+    "commit_kv",
+    "commit_kv_launch_params",
+]
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_PARTIAL_THREADS = 256
+_MERGE_THREADS = 512
+_ACCEPT_THREADS = 256
+_ACCEPT_LOGIT_THREADS = 1024
+_COMMIT_THREADS = 128
+_COMMIT_COLS = 64
+_MAX_SMEM_BYTES = 200 * 1024
+"""Dynamic shared memory a block may ask for (under the 227 KiB opt-in of sm_90 and sm_100;
+sm_120 offers about 99 KiB, where ``build_tree_plan`` is called with a smaller limit)."""
+_STATIC_SMEM_RESERVE = 16 * 1024
+"""Upper bound of any of these kernels' static shared memory."""
+
+
+@dataclass(frozen=True)
+class BuildTreePlan:
+    """Geometry of the three ``build_tree`` launches for one problem shape (see build_tree.cu)."""
+
+    top_k: int
+    """Tokens kept per (request, depth) row, ``min(max_budget, vocab_size)``."""
+    chunk_size: int
+    """Vocabulary entries one partial block reads."""
+    num_chunks: int
+    keep: int
+    """Candidates each partial block hands to the merge, ``min(top_k, chunk_size)``."""
+    sort_size: int
+    """Power of two >= top_k, the merge's bitonic sort width."""
+    lp_in_smem: bool
+    """Whether the select kernel copies the per-depth log-prob table to shared memory."""
+    partial: jit.LaunchParams
+    merge: jit.LaunchParams
+    select: jit.LaunchParams
+
+
+def build_tree_plan(
+    batch_size: int,
+    draft_len: int,
+    vocab_size: int,
+    max_budget: int,
+    *,
+    max_smem_bytes: int = _MAX_SMEM_BYTES,
+) -> BuildTreePlan:
+    """Launch geometry of ``build_tree`` (pure; no GPU needed).
+
+    Parameters
+    ----------
+    batch_size, draft_len, vocab_size : int
+        Problem shape (B, L, V).
+    max_budget : int
+        ``num_nodes_max - 1``, ``1..1024``.
+    max_smem_bytes : int
+        Dynamic shared memory one block may use on the target device.
+
+    Returns
+    -------
+    BuildTreePlan
+
+    Raises
+    ------
+    ValueError
+        The vocabulary is too large for the merge to fit in shared memory at this budget.
+    """
+    top_k = min(max_budget, vocab_size)
+    # Larger chunks for larger K keep the candidates handed to the merge at most 1/16 of a row.
+    chunk = 4096 if top_k <= 256 else 8192 if top_k <= 512 else 16384
+    chunk = min(chunk, -(-vocab_size // 8) * 8)
+    sort_size = 1 << max(0, (top_k - 1).bit_length())
+    while True:
+        num_chunks = -(-vocab_size // chunk)
+        keep = min(top_k, chunk)
+        merge_smem = (num_chunks * keep + sort_size) * 8
+        if merge_smem <= max_smem_bytes or chunk * 8 * 2 > max_smem_bytes:
+            break
+        chunk *= 2
+    if merge_smem > max_smem_bytes or chunk * 8 > max_smem_bytes:
+        raise ValueError(
+            f"draft_logits: vocab_size {vocab_size} is too large for budget {max_budget} "
+            f"(the row merge needs {merge_smem} bytes of shared memory, {max_smem_bytes} available)"
+        )
+    rows = batch_size * draft_len
+    if rows > 65535:
+        raise ValueError(
+            f"draft_logits: batch_size * draft_len = {rows} exceeds 65535 rows per launch"
+        )
+    lp_bytes = draft_len * top_k * 4
+    lp_in_smem = lp_bytes <= min(max_smem_bytes, 96 * 1024)
+    select_threads = 32 * max(1, -(-max_budget // 32))
+    return BuildTreePlan(
+        top_k=top_k,
+        chunk_size=chunk,
+        num_chunks=num_chunks,
+        keep=keep,
+        sort_size=sort_size,
+        lp_in_smem=lp_in_smem,
+        partial=jit.LaunchParams((num_chunks, rows, 1), (_PARTIAL_THREADS, 1, 1), chunk * 8),
+        merge=jit.LaunchParams((rows, 1, 1), (_MERGE_THREADS, 1, 1), merge_smem),
+        select=jit.LaunchParams(
+            (batch_size, 1, 1), (select_threads, 1, 1), lp_bytes if lp_in_smem else 0
+        ),
+    )
+
+
+def accept_launch_params(batch_size: int, *, reads_logits: bool) -> jit.LaunchParams:
+    """Launch geometry of ``accept``: one block per request (pure; no GPU needed)."""
+    threads = _ACCEPT_LOGIT_THREADS if reads_logits else _ACCEPT_THREADS
+    return jit.LaunchParams((batch_size, 1, 1), (threads, 1, 1), 0)
+
+
+def commit_kv_launch_params(batch_size: int, row_bytes: int) -> jit.LaunchParams:
+    """Launch geometry of ``commit_kv``: (request, 1 KiB column slice) blocks (pure).
+
+    Raises
+    ------
+    ValueError
+        ``row_bytes`` (head_dim times the element size) is not a multiple of 16.
+    """
+    if row_bytes % 16:
+        raise ValueError(
+            f"kv_cache: head_dim * element size must be a multiple of 16 bytes, got {row_bytes}"
+        )
+    column_blocks = -(-(row_bytes // 16) // _COMMIT_COLS)
+    if batch_size > 2**31 - 1 or column_blocks > 65535:
+        raise ValueError(f"kv_cache: rows of {row_bytes} bytes are too wide")
+    return jit.LaunchParams((batch_size, column_blocks, 1), (_COMMIT_THREADS, 1, 1), 0)
+
+
+@functools.cache
+def _kernel(source: str, entry: str, dtype_code: int, index: int) -> Any:
+    defines = {"DDTREE_DTYPE": dtype_code}
+    kernel = jit.get_kernel(source, entry, defines, index)
+    # Allow the largest dynamic size once (static shared memory stays under 16 KiB), so any
+    # smaller size of a later launch fits too.
+    jit.set_max_dynamic_smem(kernel, _max_smem(index), index)
+    return kernel
+
+
+def _i32(value: int) -> ctypes.c_int32:
+    return ctypes.c_int32(int(value))
+
+
+def _ptr(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else int(tensor.data_ptr())
+
+
+def _max_smem(index: int) -> int:
+    optin = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    return min(_MAX_SMEM_BYTES, optin - _STATIC_SMEM_RESERVE)
+
+
+def build_tree(
+    draft_logits: torch.Tensor,
+    root_tokens: torch.Tensor,
+    budget: int | torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    max_budget: int | None = None,
+    error_flags: torch.Tensor | None = None,
+) -> Tree:
+    """CUDA ``build_tree``; see ``ddtree.kernels.build_tree`` for parameters and semantics."""
+    budgets, num_nodes_max = checks.check_build_tree_args(
+        draft_logits,
+        root_tokens,
+        budget,
+        temperature=temperature,
+        max_budget=max_budget,
+        error_flags=error_flags,
+    )
+    batch_size, draft_len, vocab_size = draft_logits.shape
+    device = draft_logits.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if error_flags is None:
+        checks.resolve_flags(
+            checks.root_token_flags(root_tokens, vocab_size),
+            None,
+            {ErrorFlag.TOKEN: _MESSAGES[ErrorFlag.TOKEN]},
+        )
+        flags = torch.zeros(batch_size, dtype=torch.int32, device=device)  # [batch]
+    else:
+        flags = error_flags
+    plan = build_tree_plan(
+        batch_size, draft_len, vocab_size, num_nodes_max - 1, max_smem_bytes=_max_smem(index)
+    )
+    code = _DTYPE_CODES[draft_logits.dtype]
+    rows = batch_size * draft_len
+    words = mask_words(num_nodes_max)
+    element = draft_logits.element_size()
+    vectorized = vocab_size % (16 // element) == 0 and draft_logits.data_ptr() % 16 == 0
+
+    part_keys = torch.empty(rows * plan.num_chunks * plan.keep, dtype=torch.int64, device=device)
+    part_stats = torch.empty(rows * plan.num_chunks * 3, dtype=torch.float32, device=device)
+    topk_lp = torch.empty(rows, plan.top_k, dtype=torch.float32, device=device)  # [rows, k]
+    topk_tok = torch.empty(rows, plan.top_k, dtype=torch.int32, device=device)  # [rows, k]
+    topk_count = torch.empty(rows, dtype=torch.int32, device=device)  # [rows]
+    tokens = torch.empty(batch_size, num_nodes_max, dtype=torch.int64, device=device)
+    parents = torch.empty(batch_size, num_nodes_max, dtype=torch.int32, device=device)
+    depths = torch.empty(batch_size, num_nodes_max, dtype=torch.int32, device=device)
+    log_probs = torch.empty(batch_size, num_nodes_max, dtype=torch.float32, device=device)
+    num_nodes = torch.empty(batch_size, dtype=torch.int32, device=device)
+    mask = torch.empty(batch_size, num_nodes_max, words, dtype=torch.int64, device=device)
+
+    with torch.cuda.device(index):
+        jit.launch(
+            _kernel("build_tree.cu", "ddtree_build_partial", code, index),
+            plan.partial,
+            _ptr(draft_logits),
+            ctypes.c_float(temperature),
+            _i32(vocab_size),
+            _i32(plan.chunk_size),
+            _i32(plan.num_chunks),
+            _i32(plan.keep),
+            _i32(int(vectorized)),
+            _ptr(part_keys),
+            _ptr(part_stats),
+            device=index,
+        )
+        jit.launch(
+            _kernel("build_tree.cu", "ddtree_build_merge", code, index),
+            plan.merge,
+            _ptr(part_keys),
+            _ptr(part_stats),
+            _i32(plan.num_chunks),
+            _i32(plan.keep),
+            _i32(plan.top_k),
+            _i32(plan.sort_size),
+            _i32(vocab_size),
+            _ptr(topk_lp),
+            _ptr(topk_tok),
+            _ptr(topk_count),
+            device=index,
+        )
+        jit.launch(
+            _kernel("build_tree.cu", "ddtree_build_select", code, index),
+            plan.select,
+            _ptr(topk_lp),
+            _ptr(topk_tok),
+            _ptr(topk_count),
+            _ptr(root_tokens),
+            _ptr(budgets),
+            _ptr(flags),
+            _ptr(tokens),
+            _ptr(parents),
+            _ptr(depths),
+            _ptr(log_probs),
+            _ptr(num_nodes),
+            _ptr(mask),
+            _i32(vocab_size),
+            _i32(draft_len),
+            _i32(plan.top_k),
+            _i32(num_nodes_max),
+            _i32(words),
+            _i32(int(plan.lp_in_smem)),
+            device=index,
+        )
+    return Tree(
+        tokens=tokens,
+        parents=parents,
+        depths=depths,
+        log_probs=log_probs,
+        num_nodes=num_nodes,
+        mask=mask,
+        draft_len=draft_len,
+    )
+
+
+def accept(
+    tree: Tree,
+    target_tokens: torch.Tensor | None = None,
+    *,
+    target_logits: torch.Tensor | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    error_flags: torch.Tensor | None = None,
+) -> Acceptance:
+    """CUDA ``accept``; see ``ddtree.kernels.accept`` for parameters and semantics."""
+    checks.check_accept_args(
+        tree,
+        target_tokens,
+        target_logits=target_logits,
+        temperature=temperature,
+        generator=generator,
+        error_flags=error_flags,
+    )
+    if tree.draft_len > MAX_DRAFT_LEN:
+        raise ValueError(f"tree.draft_len: expected at most {MAX_DRAFT_LEN}, got {tree.draft_len}")
+    batch_size, num_nodes_max = tree.batch_size, tree.num_nodes_max
+    device = tree.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if error_flags is None:
+        found = checks.tree_flags(tree)  # [batch]
+        if target_tokens is not None:
+            found = found | checks.target_token_flags(tree, target_tokens)  # [batch]
+        checks.resolve_flags(
+            found,
+            None,
+            {
+                ErrorFlag.TREE: _MESSAGES[ErrorFlag.TREE],
+                ErrorFlag.TOKEN: "target_tokens: negative token id at a node of the tree",
+            },
+        )
+        flags = torch.zeros(batch_size, dtype=torch.int32, device=device)  # [batch]
+    else:
+        flags = error_flags
+    seed = None
+    if temperature > 0:
+        draw = {"generator": generator} if generator is not None else {}
+        seed = torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64, **draw)  # [1]
+    mode = 0 if target_tokens is not None else (2 if temperature > 0 else 1)
+    path_len = tree.draft_len + 1
+    nodes = torch.empty(batch_size, path_len, dtype=torch.int32, device=device)
+    tokens = torch.empty(batch_size, path_len, dtype=torch.int64, device=device)
+    length = torch.empty(batch_size, dtype=torch.int32, device=device)
+    bonus = torch.empty(batch_size, dtype=torch.int64, device=device)
+    logits = target_logits if target_logits is not None else None
+    code = _DTYPE_CODES[logits.dtype] if logits is not None else 0
+    if logits is not None and not logits.is_contiguous():
+        logits = logits.contiguous()
+    vocab_size = logits.shape[2] if logits is not None else 0
+    params = accept_launch_params(batch_size, reads_logits=logits is not None)
+    threads = params.block[0]
+    with torch.cuda.device(index):
+        jit.launch(
+            _accept_kernel(code, threads, index),
+            params,
+            _ptr(tree.tokens),
+            _ptr(tree.parents),
+            _ptr(tree.depths),
+            _ptr(tree.num_nodes),
+            _ptr(target_tokens),
+            _ptr(logits),
+            _ptr(seed),
+            _ptr(flags),
+            _ptr(nodes),
+            _ptr(tokens),
+            _ptr(length),
+            _ptr(bonus),
+            _i32(num_nodes_max),
+            _i32(tree.draft_len),
+            _i32(vocab_size),
+            _i32(mode),
+            ctypes.c_float(temperature),
+            device=index,
+        )
+    return Acceptance(nodes=nodes, tokens=tokens, length=length, bonus=bonus)
+
+
+@functools.cache
+def _accept_kernel(dtype_code: int, threads: int, index: int) -> Any:
+    return jit.get_kernel(
+        "accept.cu", "ddtree_accept", {"DDTREE_DTYPE": dtype_code, "ACCEPT_THREADS": threads}, index
+    )
+
+
+def commit_kv(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    acceptance: Acceptance,
+    *,
+    error_flags: torch.Tensor | None = None,
+) -> None:
+    """CUDA ``commit_kv``; see ``ddtree.kernels.commit_kv`` for parameters and semantics."""
+    checks.check_commit_kv_args(
+        kv_cache, block_table, prefix_lens, acceptance, error_flags=error_flags
+    )
+    num_pages, page_size, head_dim = kv_cache.shape
+    batch_size, path_len = acceptance.nodes.shape
+    if path_len > MAX_DRAFT_LEN + 1:
+        raise ValueError(
+            f"acceptance.nodes: expected path_len <= {MAX_DRAFT_LEN + 1}, got {path_len}"
+        )
+    row_bytes = head_dim * kv_cache.element_size()
+    params = commit_kv_launch_params(batch_size, row_bytes)
+    if kv_cache.data_ptr() % 16:
+        raise ValueError("kv_cache: expected a 16-byte aligned tensor")
+    device = kv_cache.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if error_flags is None:
+        checks.resolve_flags(
+            checks.commit_kv_flags(block_table, prefix_lens, acceptance, num_pages, page_size),
+            None,
+            {
+                flag: _MESSAGES[flag]
+                for flag in (ErrorFlag.ACCEPTANCE, ErrorFlag.LENGTH, ErrorFlag.BLOCK_TABLE)
+            },
+        )
+        flags = torch.zeros(batch_size, dtype=torch.int32, device=device)  # [batch]
+    else:
+        flags = error_flags
+    nodes = acceptance.nodes.contiguous()
+    with torch.cuda.device(index):
+        jit.launch(
+            _commit_kernel(index),
+            params,
+            _ptr(kv_cache),
+            _ptr(block_table.contiguous()),
+            _ptr(prefix_lens.contiguous()),
+            _ptr(nodes),
+            _ptr(acceptance.length.contiguous()),
+            _ptr(flags),
+            _i32(num_pages),
+            _i32(page_size),
+            _i32(row_bytes // 16),
+            _i32(block_table.shape[1]),
+            _i32(path_len),
+            device=index,
+        )
+
+
+@functools.cache
+def _commit_kernel(index: int) -> Any:
+    return jit.get_kernel(
+        "commit_kv.cu", "ddtree_commit_kv", {"COLS_PER_BLOCK": _COMMIT_COLS}, index
+    )

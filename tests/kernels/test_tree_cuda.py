@@ -1,0 +1,299 @@
+"""CUDA build_tree, accept and commit_kv against the reference, on fresh random inputs (GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers.assertions import assert_close, assert_equal
+from helpers.generators import (
+    draft_logits,
+    paged_cache,
+    poison_rows,
+    random_budgets,
+    random_tree,
+    target_tokens_for,
+)
+from helpers.invariants import assert_acceptance_valid, assert_tree_valid
+
+from ddtree.kernels import ErrorFlag, reference, tree_cuda
+from ddtree.kernels.types import Acceptance, Tree
+
+pytestmark = pytest.mark.gpu
+
+_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def _poison_allocator() -> None:
+    """Fill freed device memory with garbage so outputs the op forgets to write are caught."""
+    junk = torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0x7F)
+    del junk
+
+
+def _tree_to(tree: Tree, device: str) -> Tree:
+    fields = {
+        f.name: getattr(tree, f.name).to(device)
+        for f in dataclasses.fields(tree)
+        if isinstance(getattr(tree, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(tree, **fields)
+
+
+def _assert_same_tree(actual: Tree, expected: Tree, *, exact_order: bool) -> None:
+    assert_equal(actual.num_nodes, expected.num_nodes, "num_nodes")
+    if exact_order:
+        assert_equal(actual.tokens, expected.tokens, "tokens")
+        assert_equal(actual.parents, expected.parents, "parents")
+        assert_equal(actual.depths, expected.depths, "depths")
+        assert_equal(actual.mask, expected.mask, "mask")
+        assert_close(actual.log_probs, expected.log_probs, atol=1e-5, rtol=1e-5, name="log_probs")
+        return
+    # Score ties across depths may be broken differently: still a valid tree of the same
+    # (maximal) total probability, node by node in the sorted score sequence.
+    assert_tree_valid(_tree_to(actual, "cpu"))
+    got = actual.log_probs.sort(dim=1, descending=True).values
+    want = expected.log_probs.sort(dim=1, descending=True).values
+    assert_close(got, want, atol=1e-5, rtol=1e-5, name="sorted log_probs")
+
+
+_BUILD_CASES = [
+    # batch, draft_len, vocab, budget, dtype, style
+    (1, 1, 8, 1, "f32", "random"),
+    (3, 4, 17, 7, "bf16", "random"),
+    (2, 16, 32000, 64, "bf16", "random"),
+    (5, 15, 1000, 65, "f16", "random"),
+    (64, 4, 4096, 64, "f32", "random"),
+    (4, 32, 5000, 512, "bf16", "random"),
+    (2, 8, 163840, 1024, "bf16", "random"),
+    (8, 16, 163840, 64, "bf16", "random"),
+    (3, 5, 100, 1024, "f32", "random"),
+    (4, 6, 2000, 65, "f32", "ties"),
+    (4, 6, 2000, 65, "f32", "flat"),
+    (4, 6, 2000, 65, "bf16", "peaked"),
+    (3, 7, 1001, 7, "f16", "ties"),
+]
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "draft_len", "vocab_size", "budget", "dtype", "style"),
+    _BUILD_CASES,
+    ids=[f"B{c[0]}-L{c[1]}-V{c[2]}-b{c[3]}-{c[4]}-{c[5]}" for c in _BUILD_CASES],
+)
+def test_build_tree_matches_reference(
+    batch_size: int, draft_len: int, vocab_size: int, budget: int, dtype: str, style: str
+) -> None:
+    logits = draft_logits(
+        batch_size,
+        draft_len,
+        vocab_size,
+        style=style,
+        dtype=_DTYPES[dtype],
+        seed=budget,
+        device="cuda",
+    )
+    roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
+    temperature = 0.7 if style == "random" else 1.0
+    expected = reference.build_tree(logits, roots, budget, temperature=temperature)
+    _poison_allocator()
+    actual = tree_cuda.build_tree(logits, roots, budget, temperature=temperature)
+    _assert_same_tree(actual, expected, exact_order=style == "random")
+    if style == "random":
+        assert_tree_valid(_tree_to(actual, "cpu"), vocab_size)
+
+
+@pytest.mark.parametrize("vocab_size", [64, 3000])
+def test_build_tree_non_finite_rows(vocab_size: int) -> None:
+    logits = poison_rows(draft_logits(6, 5, vocab_size, seed=3), seed=4).cuda()
+    roots = torch.arange(6, device="cuda")
+    expected = reference.build_tree(logits, roots, 64)
+    _poison_allocator()
+    actual = tree_cuda.build_tree(logits, roots, 64)
+    _assert_same_tree(actual, expected, exact_order=False)
+    assert_equal(actual.num_nodes, expected.num_nodes, "num_nodes")
+
+
+def test_build_tree_ragged_and_padded_budgets() -> None:
+    logits = draft_logits(7, 6, 3000, seed=5, dtype=torch.bfloat16, device="cuda")
+    roots = torch.randint(0, 3000, (7,), device="cuda")
+    budgets = random_budgets(7, 100, seed=6).cuda()
+    expected = reference.build_tree(logits, roots, budgets, max_budget=130)
+    actual = tree_cuda.build_tree(logits, roots, budgets, max_budget=130)
+    _assert_same_tree(actual, expected, exact_order=True)
+    padded = tree_cuda.build_tree(logits, roots, 40, max_budget=90)
+    assert padded.num_nodes_max == 91
+    _assert_same_tree(
+        padded, reference.build_tree(logits, roots, 40, max_budget=90), exact_order=True
+    )
+
+
+def test_build_tree_bad_root_token_is_flagged_without_sync() -> None:
+    logits = draft_logits(3, 4, 50, seed=7, device="cuda")
+    roots = torch.tensor([1, 50, -2], device="cuda")
+    flags = torch.zeros(3, dtype=torch.int32, device="cuda")
+    expected_flags = flags.clone()
+    expected = reference.build_tree(logits, roots, 9, error_flags=expected_flags)
+    actual = tree_cuda.build_tree(logits, roots, 9, error_flags=flags)
+    assert_equal(flags, expected_flags, "error_flags")
+    assert flags.tolist() == [0, int(ErrorFlag.TOKEN), int(ErrorFlag.TOKEN)]
+    _assert_same_tree(actual, expected, exact_order=True)
+    with pytest.raises(ValueError, match="root_tokens"):
+        tree_cuda.build_tree(logits, roots, 9)
+
+
+@pytest.mark.parametrize("shape", ["chain", "star", "random", "mixed"])
+@pytest.mark.parametrize(
+    ("batch_size", "num_nodes_max", "draft_len"), [(1, 2, 1), (9, 65, 16), (3, 1025, 32)]
+)
+def test_accept_tokens_matches_reference(
+    shape: str, batch_size: int, num_nodes_max: int, draft_len: int
+) -> None:
+    tree = random_tree(batch_size, num_nodes_max, draft_len, 50, shape=shape, seed=num_nodes_max)
+    targets = target_tokens_for(tree, 50, seed=1)
+    tree, targets = _tree_to(tree, "cuda"), targets.cuda()
+    expected = reference.accept(tree, targets)
+    _poison_allocator()
+    actual = tree_cuda.accept(tree, targets)
+    for name in ("nodes", "tokens", "length", "bonus"):
+        assert_equal(getattr(actual, name), getattr(expected, name), name)
+    assert_acceptance_valid(_acc_to(actual, "cpu"), _tree_to(tree, "cpu"))
+
+
+def _acc_to(acc: Acceptance, device: str) -> Acceptance:
+    return Acceptance(*(getattr(acc, f.name).to(device) for f in dataclasses.fields(acc)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize(("dtype", "vocab_size"), [("f32", 300), ("bf16", 32000), ("f16", 1001)])
+def test_accept_logits_matches_reference(temperature: float, dtype: str, vocab_size: int) -> None:
+    logits = draft_logits(4, 6, vocab_size, seed=11, device="cuda")
+    tree = reference.build_tree(logits, torch.arange(4, device="cuda"), 20)
+    # Target logits that agree with the draft often enough for deep walks.
+    gen = torch.Generator().manual_seed(12)
+    target = torch.randn(4, tree.num_nodes_max, vocab_size, generator=gen).cuda()
+    child_tok = torch.where(tree.parents >= 0, tree.tokens, 0)
+    target[torch.arange(4)[:, None], tree.parents.clamp(min=0).long().cpu(), child_tok.cpu()] += 8
+    target = poison_rows(target, seed=13).to(_DTYPES[dtype])
+    expected = reference.accept(
+        tree,
+        target_logits=target,
+        temperature=temperature,
+        generator=torch.Generator("cuda").manual_seed(5),
+    )
+    _poison_allocator()
+    actual = tree_cuda.accept(
+        tree,
+        target_logits=target,
+        temperature=temperature,
+        generator=torch.Generator("cuda").manual_seed(5),
+    )
+    for name in ("nodes", "tokens", "length", "bonus"):
+        assert_equal(getattr(actual, name), getattr(expected, name), name)
+
+
+def test_accept_flags_malformed_trees() -> None:
+    tree = _tree_to(random_tree(4, 17, 5, 30, shape="random", seed=2), "cuda")
+    parents = tree.parents.clone()
+    num_nodes = tree.num_nodes.clone()
+    parents[1, 1] = 5  # parent after the node
+    num_nodes[2] = 99  # more nodes than slots
+    bad = dataclasses.replace(tree, parents=parents, num_nodes=num_nodes)
+    targets = target_tokens_for(_tree_to(tree, "cpu"), 30, seed=3).cuda()
+    targets[3, 0] = -4
+    want_flags = torch.zeros(4, dtype=torch.int32, device="cuda")
+    expected = reference.accept(bad, targets, error_flags=want_flags)
+    flags = torch.zeros(4, dtype=torch.int32, device="cuda")
+    actual = tree_cuda.accept(bad, targets, error_flags=flags)
+    assert_equal(flags, want_flags, "error_flags")
+    for name in ("nodes", "tokens", "length", "bonus"):
+        assert_equal(getattr(actual, name), getattr(expected, name), name)
+    with pytest.raises(ValueError, match="tree"):
+        tree_cuda.accept(bad, targets)
+
+
+def _commit_case(page_size: int, head_dim: int, seed: int):
+    tree = _tree_to(random_tree(5, 33, 8, 40, shape="mixed", seed=seed), "cuda")
+    targets = target_tokens_for(_tree_to(tree, "cpu"), 40, follow=0.9, seed=seed).cuda()
+    acceptance = reference.accept(tree, targets)
+    prefix = torch.tensor([0, 5, 17, 1, 64], dtype=torch.int32)
+    cache, table = paged_cache(prefix + 33, page_size, head_dim, seed=seed)
+    return cache.cuda(), table.cuda(), prefix.cuda(), acceptance
+
+
+@pytest.mark.parametrize(
+    ("page_size", "head_dim"), [(1, 576), (16, 576), (64, 576), (256, 8), (7, 72)]
+)
+def test_commit_kv_matches_reference(page_size: int, head_dim: int) -> None:
+    cache, table, prefix, acceptance = _commit_case(page_size, head_dim, seed=page_size)
+    expected = cache.clone()
+    reference.commit_kv(expected, table, prefix, acceptance)
+    tree_cuda.commit_kv(cache, table, prefix, acceptance)
+    assert_equal(cache, expected, "kv_cache")
+
+
+def test_commit_kv_flags_bad_block_table_and_path() -> None:
+    cache, table, prefix, acceptance = _commit_case(16, 576, seed=4)
+    table[1, 0] = 10_000
+    nodes = acceptance.nodes.clone()
+    length = acceptance.length.clone()
+    length[2] = 0
+    bad = Acceptance(nodes=nodes, tokens=acceptance.tokens, length=length, bonus=acceptance.bonus)
+    prefix = prefix.clone()
+    prefix[3] = -1
+    expected = cache.clone()
+    want_flags = torch.zeros(5, dtype=torch.int32, device="cuda")
+    reference.commit_kv(expected, table, prefix, bad, error_flags=want_flags)
+    flags = torch.zeros(5, dtype=torch.int32, device="cuda")
+    tree_cuda.commit_kv(cache, table, prefix, bad, error_flags=flags)
+    assert_equal(flags, want_flags, "error_flags")
+    assert_equal(cache, expected, "kv_cache")
+    with pytest.raises(ValueError, match="block_table"):
+        tree_cuda.commit_kv(cache, table, prefix, bad)
+
+
+def test_chain_is_captured_in_a_cuda_graph() -> None:
+    batch_size, draft_len, vocab_size, budget = 4, 8, 32000, 64
+    logits = draft_logits(
+        batch_size, draft_len, vocab_size, seed=21, dtype=torch.bfloat16, device="cuda"
+    )
+    roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
+    prefix = torch.tensor([3, 0, 100, 17], dtype=torch.int32, device="cuda")
+    cache, table = paged_cache(prefix.cpu() + budget + 1, 16, 576, seed=22)
+    cache, table = cache.cuda(), table.cuda()
+    flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
+
+    def step() -> tuple[Tree, Acceptance]:
+        tree = tree_cuda.build_tree(logits, roots, budget, error_flags=flags)
+        # The target agrees with node 1's subtree: target token at node i = token of its
+        # first child (computed on the device, no sync).
+        first_child = torch.full_like(tree.tokens, 0)
+        child = torch.arange(tree.num_nodes_max, device="cuda").expand(batch_size, -1)
+        first_child.scatter_reduce_(
+            1,
+            tree.parents.clamp(min=0).long(),
+            torch.where(tree.parents >= 0, child, 1 << 20),
+            reduce="amin",
+            include_self=False,
+        )
+        targets = tree.tokens.gather(1, first_child.clamp(max=tree.num_nodes_max - 1)).clamp(min=0)
+        acc = tree_cuda.accept(tree, targets, error_flags=flags)
+        tree_cuda.commit_kv(cache, table, prefix, acc, error_flags=flags)
+        return tree, acc
+
+    step()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        tree, acc = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    before = cache.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    reference.commit_kv(before, table, prefix, acc)
+    assert_equal(cache, before, "kv_cache after replay")
+    expected_tree = reference.build_tree(logits, roots, budget)
+    _assert_same_tree(tree, expected_tree, exact_order=True)
+    assert int(acc.length.min()) >= 2
+    assert_equal(flags, torch.zeros_like(flags), "error_flags")
