@@ -165,6 +165,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             code = "OK"
             if self._observer is not None:
                 self._observer.rpc_started(SERVICE_NAME, method)
+            _log.debug("event=rpc_received method=%s request_id=%s", method, request_id)
             try:
                 if self._in_flight >= self._max_concurrent_calls:
                     raise Overloaded(
