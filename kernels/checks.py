@@ -32,6 +32,7 @@ import torch
 from ddtree.kernels.types import MAX_BUDGET, MAX_DRAFT_LEN, Acceptance, ErrorFlag, Tree
 
 __all__ = [
+    "FLAG_MESSAGES",
     "FLOAT_DTYPES",
     "MAX_PAGE_SIZE",
     "acceptance_flags",
@@ -58,6 +59,35 @@ MAX_PAGE_SIZE = 256
 """Largest KV-cache page size ``commit_kv`` and ``verify_attention`` accept."""
 
 _INT_DTYPES = (torch.int32, torch.int64)
+
+FLAG_MESSAGES: dict[str, dict[ErrorFlag, str]] = {
+    "build_tree": {ErrorFlag.TOKEN: "root_tokens: token id outside [0, vocab_size)"},
+    "accept": {
+        ErrorFlag.TREE: (
+            "tree: malformed (num_nodes outside [1, num_nodes_max], a parent that is not an "
+            "earlier node, or a depth that is not parent depth + 1 within draft_len)"
+        ),
+        ErrorFlag.TOKEN: "target_tokens: negative token id at a node of the tree",
+    },
+    "commit_kv": {
+        ErrorFlag.ACCEPTANCE: (
+            "acceptance: malformed path (length outside [1, path_len], or nodes not an "
+            "increasing sequence starting at node 0)"
+        ),
+        ErrorFlag.LENGTH: (
+            "prefix_lens: negative, or the accepted path reaches past max_pages * page_size"
+        ),
+        ErrorFlag.BLOCK_TABLE: "block_table: entry outside [0, num_pages) for a touched position",
+    },
+    "verify_attention": {
+        ErrorFlag.TREE: "tree.num_nodes: outside [1, num_nodes_max]",
+        ErrorFlag.LENGTH: (
+            "prefix_lens: negative, or prefix_len + num_nodes beyond max_pages * page_size"
+        ),
+        ErrorFlag.BLOCK_TABLE: "block_table: entry outside [0, num_pages) for a touched position",
+    },
+}
+"""Per op, what ``resolve_flags`` says for each bit the op can raise (field name first)."""
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
@@ -107,7 +137,8 @@ def check_tensor(
     """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor of shape {shape_doc}, got {type(value)}")
-    expected = tuple("*" if s is None else s for s in shape)
+    sizes = ["*" if s is None else str(s) for s in shape]
+    expected = f"({sizes[0]},)" if len(sizes) == 1 else f"({', '.join(sizes)})"
     if value.dim() != len(shape) or any(
         s is not None and s != got for s, got in zip(shape, value.shape, strict=True)
     ):

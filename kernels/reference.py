@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.kernels import checks
-from ddtree.kernels.types import Acceptance, ErrorFlag, Tree, mask_words
+from ddtree.kernels.types import Acceptance, Tree, mask_words
 
 __all__ = [
     "accept",
@@ -35,20 +35,11 @@ __all__ = [
 _NEG_INF = float("-inf")
 _UINT32 = 0xFFFFFFFF
 
+# Flat view of checks.FLAG_MESSAGES, still imported by tree_cuda; new code uses FLAG_MESSAGES.
 _MESSAGES = {
-    ErrorFlag.TOKEN: "root_tokens: token id outside [0, vocab_size)",
-    ErrorFlag.TREE: (
-        "tree: malformed (num_nodes outside [1, num_nodes_max], a parent that is not an earlier "
-        "node, or a depth that is not parent depth + 1 within draft_len)"
-    ),
-    ErrorFlag.BLOCK_TABLE: "block_table: entry outside [0, num_pages) for a touched position",
-    ErrorFlag.LENGTH: (
-        "prefix_lens: negative, or prefix plus tree positions beyond max_pages * page_size"
-    ),
-    ErrorFlag.ACCEPTANCE: (
-        "acceptance: malformed path (length outside [1, path_len], or nodes not an increasing "
-        "sequence starting at node 0)"
-    ),
+    **checks.FLAG_MESSAGES["commit_kv"],
+    **checks.FLAG_MESSAGES["accept"],
+    **checks.FLAG_MESSAGES["build_tree"],
 }
 
 
@@ -198,7 +189,7 @@ def build_tree(
     skip = checks.resolve_flags(
         checks.root_token_flags(root_tokens, vocab_size),
         error_flags,
-        {ErrorFlag.TOKEN: _MESSAGES[ErrorFlag.TOKEN]},
+        checks.FLAG_MESSAGES["build_tree"],
     )  # [batch]
     beam = num_nodes_max - 1
     top_k = min(beam, vocab_size)
@@ -397,11 +388,7 @@ def accept(
     flags = checks.tree_flags(tree)  # [batch]
     if target_tokens is not None:
         flags = flags | checks.target_token_flags(tree, target_tokens)  # [batch]
-    messages = {
-        ErrorFlag.TREE: _MESSAGES[ErrorFlag.TREE],
-        ErrorFlag.TOKEN: "target_tokens: negative token id at a node of the tree",
-    }
-    skip = checks.resolve_flags(flags, error_flags, messages)  # [batch]
+    skip = checks.resolve_flags(flags, error_flags, checks.FLAG_MESSAGES["accept"])  # [batch]
     seed = None
     if temperature > 0:
         draw = {"generator": generator} if generator is not None else {}
@@ -465,11 +452,7 @@ def commit_kv(
     )
     num_pages, page_size, _ = kv_cache.shape
     flags = checks.commit_kv_flags(block_table, prefix_lens, acceptance, num_pages, page_size)
-    messages = {
-        flag: _MESSAGES[flag]
-        for flag in (ErrorFlag.ACCEPTANCE, ErrorFlag.LENGTH, ErrorFlag.BLOCK_TABLE)
-    }
-    skip = checks.resolve_flags(flags, error_flags, messages)  # [batch]
+    skip = checks.resolve_flags(flags, error_flags, checks.FLAG_MESSAGES["commit_kv"])  # [batch]
     path_len = acceptance.nodes.shape[1]
     slot = torch.arange(path_len, device=kv_cache.device)  # [path]
     moves = ~skip[:, None] & (slot < acceptance.length.long()[:, None])  # [batch, path]
@@ -519,9 +502,7 @@ def verify_attention(
     num_pages, page_size, _ = kv_cache.shape
     device = q.device
     flags = checks.attention_flags(block_table, prefix_lens, tree, num_pages, page_size)
-    messages = {
-        flag: _MESSAGES[flag] for flag in (ErrorFlag.TREE, ErrorFlag.LENGTH, ErrorFlag.BLOCK_TABLE)
-    }
+    messages = checks.FLAG_MESSAGES["verify_attention"]
     skip = checks.resolve_flags(flags, error_flags, messages)  # [batch]
     if out is None:
         out = torch.zeros(batch_size, num_nodes_max, num_heads, v_dim, dtype=q.dtype, device=device)
