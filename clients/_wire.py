@@ -13,7 +13,7 @@ import grpc
 import torch
 from google.rpc import error_details_pb2, status_pb2
 
-from ddtree.clients.errors import DDTreeClientError, error_for
+from ddtree.clients.errors import DDTreeClientError, InvalidArgumentError, error_for
 from ddtree.clients.types import DeviceInfo, KvCommit, ServerInfo, ServerLimits
 from ddtree.kernels.types import Acceptance, Tree
 from ddtree.v1 import tensor_pb2, tree_pb2
@@ -131,7 +131,21 @@ def accept_tree_request(
     kv_commit: KvCommit | None,
     model: str,
 ) -> pb.AcceptTreeRequest:
-    """The AcceptTree request for the client's arguments (KV cache inline)."""
+    """The AcceptTree request for the client's arguments (KV cache inline).
+
+    Raises
+    ------
+    InvalidArgumentError
+        Both targets given: the wire's ``target`` oneof cannot carry both (reason
+        ``MISSING_FIELD``, as the server and the embedded client report it).
+    """
+    if target_tokens is not None and target_logits is not None:
+        raise InvalidArgumentError(
+            "INVALID_ARGUMENT",
+            "accept_tree.target: expected exactly one of target_tokens and target_logits, got both",
+            reason="MISSING_FIELD",
+            field="accept_tree.target",
+        )
     request = pb.AcceptTreeRequest(tree=encode_tree(tree), temperature=temperature, model=model)
     if target_tokens is not None:
         request.target_tokens.CopyFrom(encode_tensor(target_tokens, "target_tokens"))
