@@ -58,8 +58,10 @@ def verify_attention(
         scaled scores; written in place if given.
     error_flags : torch.Tensor, optional
         Shape ``(batch_size,)``, int32. If given, a bad block-table entry or length is flagged
-        (``ErrorFlag.BLOCK_TABLE`` / ``ErrorFlag.LENGTH``) and that request's outputs are left
-        untouched; if omitted it raises ``ValueError`` (a host sync on CUDA).
+        (``ErrorFlag.BLOCK_TABLE`` / ``ErrorFlag.LENGTH``, or ``ErrorFlag.TREE`` for
+        ``num_nodes`` outside ``[1, num_nodes_max]``) and that request's outputs are left
+        untouched (``0`` / ``-inf`` where this call allocates them), as are those of requests
+        flagged by an earlier op; if omitted it raises ``ValueError`` (a host sync on CUDA).
     backend : {"auto", "cuda", "reference"}
         See ``ddtree.kernels``.
 

@@ -25,11 +25,12 @@ def build_tree(
 
     Per depth, ``log_softmax(draft_logits / temperature)`` over the full vocabulary in fp32
     gives the drafter's marginal; the top ``K = min(budget, vocab_size)`` tokens are ranked by
-    logit, equal logits smaller token id first. A best-first search over rank tuples (seeded
-    with rank 0 at depth 1; each pop pushes its next sibling and its first child) pops nodes in
-    order of cumulative log-probability, equal scores lexicographically smaller rank tuple first,
-    until ``budget`` nodes or no candidate with a finite score is left. Nodes are numbered in pop
-    order after the root (node 0). See Ringel & Romano, arXiv 2604.12989.
+    scaled logit (``logit / temperature`` in fp32), equal values smaller token id first. A
+    best-first search over rank tuples (seeded with rank 0 at depth 1; each pop pushes its next
+    sibling and its first child) pops nodes in order of cumulative log-probability, equal scores
+    lexicographically smaller rank tuple first, until ``budget`` nodes or no candidate with a
+    finite score is left. Nodes are numbered in pop order after the root (node 0). See Ringel &
+    Romano, arXiv 2604.12989.
 
     Non-finite logits: NaN counts as ``-inf`` (the token is impossible). If a row holds ``+inf``,
     its ``+inf`` tokens share the mass equally and every other token is impossible. Impossible
@@ -51,10 +52,13 @@ def build_tree(
     max_budget : int, optional
         Upper bound of ``budget`` that fixes ``num_nodes_max = 1 + max_budget``. Needed only
         for a tensor ``budget``; when omitted it is read from ``budget`` (a host sync on CUDA).
+        With it, tensor budgets are not read on the host: each is clamped into
+        ``[1, max_budget]``.
     error_flags : torch.Tensor, optional
         Shape ``(batch_size,)``, int32, same device. If given, a request with an out-of-range
-        root token gets ``ErrorFlag.TOKEN`` OR-ed in and an empty tree (root only), and the op
-        stays asynchronous. If omitted, such data raises ``ValueError`` (a host sync on CUDA).
+        root token gets ``ErrorFlag.TOKEN`` OR-ed in and an empty tree (root only, node 0 still
+        holding the given root token), as does a request already flagged by an earlier op; the
+        op stays asynchronous. If omitted, such data raises ``ValueError`` (a host sync on CUDA).
     backend : {"auto", "cuda", "reference"}
         See ``ddtree.kernels``.
 

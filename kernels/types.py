@@ -24,22 +24,25 @@ def mask_words(num_nodes: int) -> int:
 class ErrorFlag(enum.IntFlag):
     """Per-request error bits that ops OR into ``error_flags`` when caller data is out of range.
 
-    A request with any bit set has its outputs (and any caller memory the op would write) left
-    untouched. Values are part of the wire contract and never renumbered.
+    A request with any bit set, whether by this op or by an earlier op sharing the same
+    ``error_flags`` tensor, has its outputs (and any caller memory the op would write) left
+    untouched. ``ddtree.kernels.checks`` defines exactly when each bit is set. Values are part of
+    the wire contract and never renumbered.
     """
 
     TOKEN = 1
     """A token id is negative or not below ``vocab_size`` (root, target or tree tokens)."""
     TREE = 2
-    """The tree is malformed: ``num_nodes`` outside ``[1, num_nodes_max]``, or a parent that is
-    not an earlier node, or a path deeper than ``draft_len``."""
+    """The tree is malformed: ``num_nodes`` outside ``[1, num_nodes_max]``, a root whose depth is
+    not 0, or a node whose parent is not an earlier node or whose depth is not its parent's
+    plus one, at most ``draft_len``."""
     BLOCK_TABLE = 4
     """A block-table entry needed by the request is outside ``[0, num_pages)``."""
     LENGTH = 8
     """A prefix length is negative, or prefix plus tree does not fit the block table."""
     ACCEPTANCE = 16
-    """An acceptance path is malformed (length outside ``[1, draft_len + 1]``, nodes not an
-    increasing root-anchored sequence inside the tree)."""
+    """An acceptance path is malformed (length outside ``[1, draft_len + 1]``, or nodes not a
+    strictly increasing sequence starting at node 0)."""
 
 
 @dataclass(frozen=True)
