@@ -28,8 +28,10 @@ def accept(
     child does. The target's token at the last accepted node is the bonus token. Greedy when
     ``temperature == 0`` (the given tokens, or the argmax of the logits, NaN counted as ``-inf``,
     equal logits smaller token id first). With ``temperature > 0`` the token at each visited node
-    is sampled from ``softmax(target_logits / temperature)``, which keeps the output distributed
-    exactly as the target's own sampling (lossless sample-and-walk).
+    is sampled from ``softmax(target_logits / temperature)`` (NaN impossible; a row holding
+    ``+inf`` samples among its ``+inf`` tokens), which keeps the output distributed exactly as
+    the target's own sampling (lossless sample-and-walk). The sampler is counter-based Gumbel-max
+    noise, specified in ``ddtree.kernels.reference.accept``, so CPU and GPU agree.
 
     Parameters
     ----------
@@ -49,9 +51,10 @@ def accept(
         state gives one result.
     error_flags : torch.Tensor, optional
         Shape ``(batch_size,)``, int32. If given, a malformed tree (``ErrorFlag.TREE``) or a
-        negative target token (``ErrorFlag.TOKEN``) is flagged there and that request gets an
-        empty acceptance (``length`` 0, bonus ``-1``); if omitted it raises ``ValueError``
-        (a host sync on CUDA).
+        negative target token at a node below ``num_nodes`` (``ErrorFlag.TOKEN``) is flagged
+        there and that request, like one flagged by an earlier op, gets an empty acceptance
+        (``length`` 0, bonus ``-1``, paths ``-1``); if omitted it raises ``ValueError`` (a host
+        sync on CUDA).
     backend : {"auto", "cuda", "reference"}
         See ``ddtree.kernels``.
 
