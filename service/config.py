@@ -19,6 +19,7 @@ environment variable               flag                         default
 ``DDTREE_CACHE_DIR``               ``--cache-dir``              (kernel cache default)
 ``DDTREE_DISABLE_JIT``             ``--disable-jit``            off
 ``DDTREE_METRICS_PORT``            ``--metrics-port``           off
+``DDTREE_METRICS_HOST``            ``--metrics-host``           ``127.0.0.1``
 =================================  ===========================  ===============================
 """
 
@@ -76,6 +77,9 @@ class ServiceConfig:
         Whether a kernel-cache miss is an error instead of a compile (pre-baked images).
     metrics_port : int, optional
         TCP port of the Prometheus endpoint, ``0..65535``; ``None`` serves no metrics.
+    metrics_host : str
+        Address the Prometheus endpoint binds: ``127.0.0.1`` (loopback) or ``0.0.0.0`` (every
+        interface, as in a pod).
     """
 
     listen: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -91,6 +95,7 @@ class ServiceConfig:
     cache_dir: Path | None = None
     disable_jit: bool = False
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -119,6 +124,8 @@ class ServiceConfig:
             raise ValueError(f"log_level: expected one of {_LOG_LEVELS}, got {self.log_level!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: expected 0..65535, got {self.metrics_port}")
+        if not self.metrics_host:
+            raise ValueError("metrics_host: expected an address such as 127.0.0.1, got ''")
 
     def kernel_environment(self) -> dict[str, str]:
         """The ``DDTREE_*`` variables ``ddtree.kernels.jit`` reads, as set by this config.
@@ -230,6 +237,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PORT",
         help="serve Prometheus metrics on this TCP port [env DDTREE_METRICS_PORT; default off]",
     )
+    group.add_argument(
+        "--metrics-host",
+        metavar="ADDR",
+        help="address the metrics port binds, e.g. 0.0.0.0 in a pod "
+        f"[env DDTREE_METRICS_HOST; default {d.metrics_host}]",
+    )
     compute = parser.add_argument_group("compute")
     compute.add_argument(
         "--device",
@@ -275,6 +288,7 @@ _PARSERS = {
     "cache_dir": Path,
     "disable_jit": _env_bool,
     "metrics_port": int,
+    "metrics_host": str,
 }
 
 

@@ -30,6 +30,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -37,6 +39,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ddtree.kernels.types import MAX_BUDGET, MAX_DRAFT_LEN
+
+if TYPE_CHECKING:
+    from ddtree.service.engine import Engine
 
 __all__ = [
     "BUDGET_LADDER",
@@ -48,6 +53,7 @@ __all__ = [
     "Metrics",
     "acceptance_stats",
     "budget_curve",
+    "server_registry",
     "start_metrics_http_server",
 ]
 
@@ -476,6 +482,29 @@ class Metrics:
             for op in OPS:
                 self.op_device_seconds.labels(op, device)
 
+    def publish_engine(self, engine: Engine) -> None:
+        """Publish build info and devices of ``engine`` (call once the server has made it).
+
+        Parameters
+        ----------
+        engine : ddtree.service.engine.Engine
+            The engine the server runs; its devices get ``device`` label ``str(engine.device)``.
+        """
+        info = engine.info()
+        devices = []
+        for device_info in info.devices:
+            major, minor = device_info.compute_capability
+            capability = f"{major}.{minor}" if engine.device.type == "cuda" else ""
+            devices.append((str(engine.device), device_info.name, device_info.uuid, capability))
+        self.set_devices(devices)
+        _, gpu_name, _, capability = devices[0]
+        self.set_build_info(
+            version=info.version,
+            backend=str(engine.backend),
+            gpu_name=gpu_name if engine.device.type == "cuda" else "",
+            compute_capability=capability,
+        )
+
     def set_registered(self, device: str, *, regions: int, byte_size: int) -> None:
         """Set the registered-memory gauges of ``device`` (regions now held, their bytes)."""
         self.registered_regions.labels(device).set(regions)
@@ -654,9 +683,24 @@ def _record_event(device: torch.device) -> torch.cuda.Event:
     return event
 
 
+def server_registry() -> CollectorRegistry:
+    """A fresh registry with the process, platform and garbage-collector collectors.
+
+    The server exposes this one rather than prometheus_client's global registry, so nothing
+    another library registers globally leaks into ``/metrics``.
+    """
+    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
 def start_metrics_http_server(
     registry: CollectorRegistry, *, host: str, port: int
-) -> tuple[object, threading.Thread, int]:
+) -> tuple[WSGIServer, threading.Thread, int]:
     """Serve ``registry`` in the Prometheus text format over HTTP on a daemon thread.
 
     Parameters

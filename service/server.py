@@ -33,6 +33,7 @@ from ddtree.service.config import ServiceConfig, parse_listen
 from ddtree.service.convert import TensorResolver
 from ddtree.service.engine import Engine, EngineObserver
 from ddtree.service.errors import DDTreeError, Internal, Overloaded
+from ddtree.service.metrics import Metrics, server_registry, start_metrics_http_server
 from ddtree.service.servicer import TreeSpeculationServicer
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
@@ -368,11 +369,25 @@ def create_server(
 
 
 async def _serve(config: ServiceConfig) -> int:
+    metrics = metrics_http = None
+    if config.metrics_port is not None:
+        methods = pb.DESCRIPTOR.services_by_name["TreeSpeculationService"].methods
+        metrics = Metrics(server_registry(), methods=[(SERVICE_NAME, m.name) for m in methods])
+        try:
+            metrics_http, _, metrics_port = start_metrics_http_server(
+                metrics.registry, host=config.metrics_host, port=config.metrics_port
+            )
+        except OSError as err:
+            _log.error("event=startup_failed error=metrics port: %s", err)
+            return 1
+        _log.info("event=metrics_listening address=%s:%s", config.metrics_host, metrics_port)
     try:
-        server, _ = create_server(config)
+        server, _ = create_server(config, call_observer=metrics, engine_observer=metrics)
     except (ValueError, RuntimeError) as err:
         _log.error("event=startup_failed error=%s", err)
         return 1
+    if metrics is not None:
+        metrics.publish_engine(server.engine)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -383,11 +398,12 @@ async def _serve(config: ServiceConfig) -> int:
         _log.exception("event=warm_up_failed")
         await server.stop(0)
         return 1
-    # TODO(#6): start the Prometheus endpoint on config.metrics_port and pass the metrics as
-    # call_observer / engine_observer to create_server.
     await stop_requested.wait()
     _log.info("event=signal_received")
     await server.stop()
+    if metrics_http is not None:
+        metrics_http.shutdown()
+        metrics_http.server_close()
     return 0
 
 
