@@ -652,16 +652,12 @@ def set_max_dynamic_smem(kernel: Any, shared_mem_bytes: int, device: torch.devic
         )
 
 
-class _TorchStream:
-    """``__cuda_stream__`` view of a raw ``cudaStream_t`` (torch's current stream)."""
+@functools.lru_cache(maxsize=64)
+def _core_stream(handle: int) -> Any:
+    """``cuda.core.Stream`` view of a raw ``cudaStream_t`` owned by torch (not owned here)."""
+    from cuda.core import Stream
 
-    __slots__ = ("_handle",)
-
-    def __init__(self, handle: int) -> None:
-        self._handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self._handle)
+    return Stream.from_handle(handle)
 
 
 def launch(
@@ -691,7 +687,7 @@ def launch(
 
     index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
     _make_current(index)
-    stream = _TorchStream(torch.cuda.current_stream(index).cuda_stream)
+    stream = _core_stream(torch.cuda.current_stream(index).cuda_stream)
     config = LaunchConfig(grid=params.grid, block=params.block, shmem_size=params.shared_mem_bytes)
     try:
         core_launch(stream, config, kernel, *args)
