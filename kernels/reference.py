@@ -208,12 +208,13 @@ def build_tree(
     scores = torch.full((batch_size, draft_len, beam), _NEG_INF, device=device)  # [b, depth, beam]
     parent_slot = torch.zeros(batch_size, draft_len, beam, dtype=torch.int64, device=device)
     ranks = torch.zeros(batch_size, draft_len, beam, dtype=torch.int64, device=device)
+    # Ranks stay below MAX_BUDGET = 1024, so int16 holds the tuples (a quarter of int64).
     tuples = torch.full(
-        (batch_size, draft_len, beam, draft_len), -1, dtype=torch.int64, device=device
+        (batch_size, draft_len, beam, draft_len), -1, dtype=torch.int16, device=device
     )  # [batch, depth, beam, depth]
     scores[:, 0, :top_k] = top_log_probs[:, 0]
     ranks[:, 0, :top_k] = torch.arange(top_k, device=device)
-    tuples[:, 0, :, 0] = ranks[:, 0]
+    tuples[:, 0, :, 0] = ranks[:, 0].to(torch.int16)
     # Beam slots in lexicographic order of their rank tuples (slots past top_k hold -inf).
     lex_order = torch.arange(beam, device=device).expand(batch_size, -1)  # [batch, beam]
     for depth in range(1, draft_len):
@@ -230,7 +231,7 @@ def build_tree(
             1, parent_slot[:, depth, :, None].expand(-1, -1, draft_len)
         )  # [batch, beam, depth]
         tuples[:, depth] = parent_tuple
-        tuples[:, depth, :, depth] = ranks[:, depth]
+        tuples[:, depth, :, depth] = ranks[:, depth].to(torch.int16)
         lex_order = torch.argsort(kept, dim=1)  # [batch, beam]
 
     # Merge all depths: lexicographic positions by a chain of stable sorts (last column
