@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_close", "assert_equal"]
+from ddtree.kernels.types import Acceptance, Tree
+
+__all__ = ["assert_close", "assert_equal", "assert_same_acceptance", "assert_same_tree"]
 
 
 def _positions(mask: torch.Tensor, limit: int = 5) -> list[tuple[int, ...]]:
@@ -104,3 +106,30 @@ def assert_close(
         if denominator > 0:
             distance = 1.0 - float(fa @ fe / denominator)
             assert distance <= cosine_tol, f"{name}: cosine distance {distance:.3g} > {cosine_tol}"
+
+
+def assert_same_tree(actual: Tree, expected: Tree, *, log_prob_atol: float = 0.0) -> None:
+    """Two trees agree: every integer field exactly, ``log_probs`` within ``log_prob_atol``.
+
+    ``log_prob_atol = 0`` demands bit equality (the reference against itself on one device);
+    a CUDA kernel whose fp32 ``log_softmax`` differs by a few ulps passes a small tolerance.
+    """
+    assert actual.draft_len == expected.draft_len, (
+        f"draft_len {actual.draft_len} != {expected.draft_len}"
+    )
+    for field in ("num_nodes", "tokens", "parents", "depths", "mask"):
+        assert_equal(getattr(actual, field).cpu(), getattr(expected, field).cpu(), f"tree.{field}")
+    if log_prob_atol == 0.0:
+        assert_equal(actual.log_probs.cpu(), expected.log_probs.cpu(), "tree.log_probs")
+    else:
+        assert_close(
+            actual.log_probs, expected.log_probs, atol=log_prob_atol, rtol=0.0, name="log_probs"
+        )
+
+
+def assert_same_acceptance(actual: Acceptance, expected: Acceptance) -> None:
+    """Two acceptances agree exactly in every field."""
+    for field in ("nodes", "tokens", "length", "bonus"):
+        assert_equal(
+            getattr(actual, field).cpu(), getattr(expected, field).cpu(), f"acceptance.{field}"
+        )

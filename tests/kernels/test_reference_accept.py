@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.assertions import assert_equal
+from helpers.assertions import assert_equal, assert_same_acceptance
 from helpers.generators import draft_logits, random_tree, target_tokens_for
 from helpers.invariants import assert_acceptance_valid
 from helpers.oracles import gumbel_noise_scalar, scalar_accept
@@ -76,9 +76,7 @@ def test_greedy_logits_equal_argmax_tokens() -> None:
     logits = draft_logits(4, 20, 32000, style="ties", seed=5).to(torch.bfloat16)
     from_logits = reference.accept(tree, target_logits=logits)
     targets = logits.float().argmax(dim=2)
-    from_tokens = reference.accept(tree, targets)
-    for field in ("nodes", "tokens", "length", "bonus"):
-        assert_equal(getattr(from_logits, field), getattr(from_tokens, field), field)
+    assert_same_acceptance(from_logits, reference.accept(tree, targets))
 
 
 def test_sampling_matches_scalar_walk_with_independent_hash() -> None:
@@ -104,8 +102,7 @@ def test_sampling_is_reproducible_from_the_generator_state() -> None:
         runs.append(
             reference.accept(tree, target_logits=logits, temperature=1.3, generator=generator)
         )
-    for field in ("nodes", "tokens", "length", "bonus"):
-        assert_equal(getattr(runs[0], field), getattr(runs[1], field), field)
+    assert_same_acceptance(runs[0], runs[1])
 
 
 def test_sampling_noise_matches_python_ints_and_is_finite() -> None:
@@ -215,3 +212,16 @@ def test_sampled_first_token_follows_the_target_distribution() -> None:
     observed, probs = counts[:5], expected[:5].double()
     chi2 = float(((observed - batch_size * probs) ** 2 / (batch_size * probs)).sum())
     assert chi2 < 20.5, f"chi-square {chi2:.2f} (4 dof, p < 0.0004) counts {counts.tolist()}"
+
+
+def test_accept_on_built_trees_follows_drafted_paths() -> None:
+    logits = draft_logits(3, 5, 11, style="peaked", seed=4)
+    tree = reference.build_tree(logits, torch.tensor([1, 2, 3]), 20)
+    targets = target_tokens_for(tree, 11, follow=1.0, seed=5)
+    acceptance = reference.accept(tree, targets)
+    assert_acceptance_valid(acceptance, tree)
+    _assert_matches_walk(acceptance, scalar_accept(tree, targets))
+    # Following a child at every node walks until a leaf.
+    for b in range(3):
+        last = int(acceptance.nodes[b, int(acceptance.length[b]) - 1])
+        assert not (tree.parents[b, : int(tree.num_nodes[b])] == last).any()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers.assertions import assert_equal
+from helpers.assertions import assert_equal, assert_same_tree
 from helpers.generators import draft_logits, poison_rows, random_budgets
 from helpers.invariants import assert_tree_valid
 from helpers.oracles import brute_force_tree, heap_tree, tree_from_nodes
@@ -243,9 +243,7 @@ def test_runs_on_cuda_like_on_cpu() -> None:
     cpu = reference.build_tree(logits, _roots(3, 1000), 50)
     gpu = reference.build_tree(logits.cuda(), _roots(3, 1000).cuda(), 50)
     assert_tree_valid(gpu, 1000)
-    for field in ("tokens", "parents", "depths", "num_nodes", "mask"):
-        assert_equal(getattr(gpu, field).cpu(), getattr(cpu, field), field)
-    torch.testing.assert_close(gpu.log_probs.cpu(), cpu.log_probs, atol=1e-5, rtol=1e-5)
+    assert_same_tree(gpu, cpu, log_prob_atol=1e-5)
 
 
 @pytest.mark.slow
