@@ -13,7 +13,7 @@ from ddtree.service.config import ServiceConfig
 from ddtree.service.engine import Engine, EngineObserver
 from ddtree.service.server import CallObserver, Server, create_server
 
-__all__ = ["ServerThread"]
+__all__ = ["LogWatcher", "ServerThread"]
 
 _T = TypeVar("_T")
 
@@ -80,3 +80,46 @@ class ServerThread:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
+
+
+class LogWatcher:
+    """Collects a subprocess's text stream on a thread; tests wait for lines, never sleep."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[str] = []
+        self._condition = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream: Any) -> None:
+        for line in stream:
+            with self._condition:
+                self.lines.append(line.rstrip("\n"))
+                self._condition.notify_all()
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float = 60.0) -> str:
+        """Block until a line containing ``text`` arrives; fail if the stream ends first."""
+
+        def found() -> bool:
+            return self._closed or any(text in line for line in self.lines)
+
+        with self._condition:
+            if not self._condition.wait_for(found, timeout_s):
+                raise TimeoutError(f"no line with {text!r} in {timeout_s} s: {self.lines[-20:]}")
+            for line in self.lines:
+                if text in line:
+                    return line
+        raise AssertionError(f"stream ended without {text!r}: {self.lines[-20:]}")
+
+    def join(self) -> None:
+        """Wait until the stream has ended (the process exited and its pipe drained)."""
+        self._thread.join()
+
+    def text(self) -> str:
+        """Everything read so far."""
+        with self._condition:
+            return "\n".join(self.lines)
