@@ -1,0 +1,128 @@
+"""Configuration from flags and DDTREE_* variables, and the ``ddtree`` command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from ddtree.service.cli import main
+from ddtree.service.config import ServiceConfig, config_from_args
+
+
+def test_defaults_serve_on_loopback() -> None:
+    config = config_from_args([], {})
+    assert config == ServiceConfig()
+    assert config.listen == ("127.0.0.1:50051",)
+
+
+def test_every_field_has_an_env_var_and_a_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for f in fields(ServiceConfig):
+        assert f"--{f.name.replace('_', '-')}" in help_text, f.name
+        assert f"DDTREE_{f.name.upper()}" in help_text, f.name
+
+
+def test_env_vars_fill_the_config() -> None:
+    env = {
+        "DDTREE_LISTEN": "0.0.0.0:6000, unix:/tmp/x.sock",
+        "DDTREE_MAX_MESSAGE_BYTES": str(8 << 20),
+        "DDTREE_MAX_CONCURRENT_CALLS": "3",
+        "DDTREE_GRACE_S": "2.5",
+        "DDTREE_DEVICE": "cpu",
+        "DDTREE_BACKEND": "reference",
+        "DDTREE_LOG_LEVEL": "debug",
+        "DDTREE_CACHE_DIR": "/tmp/kc",
+        "DDTREE_DISABLE_JIT": "1",
+        "DDTREE_METRICS_PORT": "9400",
+    }
+    config = config_from_args([], env)
+    assert config.listen == ("0.0.0.0:6000", "unix:/tmp/x.sock")
+    assert config.max_message_bytes == 8 << 20
+    assert config.max_concurrent_calls == 3
+    assert config.grace_s == 2.5
+    assert (config.device, config.backend, config.log_level) == ("cpu", "reference", "DEBUG")
+    assert config.cache_dir == Path("/tmp/kc")
+    assert config.disable_jit is True
+    assert config.metrics_port == 9400
+    assert config.kernel_environment() == {
+        "DDTREE_DISABLE_JIT": "1",
+        "DDTREE_CACHE_DIR": "/tmp/kc",
+    }
+
+
+def test_flags_win_over_env_vars() -> None:
+    env = {"DDTREE_LISTEN": "0.0.0.0:6000", "DDTREE_GRACE_S": "9"}
+    config = config_from_args(["--listen", "127.0.0.1:0", "--listen", "unix:/tmp/a"], env)
+    assert config.listen == ("127.0.0.1:0", "unix:/tmp/a")
+    assert config.grace_s == 9.0
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DDTREE_GRACE_S": "soon"}, "DDTREE_GRACE_S"),
+        ({"DDTREE_DISABLE_JIT": "maybe"}, "DDTREE_DISABLE_JIT"),
+        ({"DDTREE_LISTEN": "localhost"}, "listen"),
+        ({"DDTREE_LISTEN": "unix:relative.sock"}, "listen"),
+        ({"DDTREE_DEVICE": "gpu0"}, "device"),
+        ({"DDTREE_MAX_MESSAGE_BYTES": "10"}, "max_message_bytes"),
+        ({"DDTREE_METRICS_PORT": "70000"}, "metrics_port"),
+        ({"DDTREE_REQUEST_DEADLINE_CAP_S": "0"}, "request_deadline_cap_s"),
+    ],
+    ids=["grace", "bool", "no-port", "relative-unix", "device", "tiny-messages", "port", "cap"],
+)
+def test_bad_values_name_the_setting(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_from_args([], env)
+
+
+def test_help_explains_serving(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "SIGTERM" in out and "--listen" in out and "unix:/abs/path" in out
+
+
+def test_bad_flag_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--device", "tpu"])
+    assert exited.value.code == 2
+    assert "device" in capsys.readouterr().err
+
+
+def test_python_m_and_console_script_agree() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ddtree.service", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "ddtree serve" in result.stdout
+    assert "demo" in result.stdout
+
+
+def test_unbindable_address_exits_1(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddtree.service",
+            "serve",
+            "--device",
+            "cpu",
+            "--listen",
+            f"unix:{tmp_path / 'missing-dir' / 's.sock'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "event=startup_failed" in result.stderr
