@@ -98,6 +98,7 @@ def pack_mask(ancestors: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(64, device=ancestors.device, dtype=torch.int64)  # [64]
     weights = torch.ones(64, dtype=torch.int64, device=ancestors.device) << shifts  # [64]
     mask = torch.empty(batch_size, rows, words, dtype=torch.int64, device=ancestors.device)
+    # mask: [batch, nodes, words]
     for word in range(words):
         bits = padded[:, :, word * 64 : (word + 1) * 64].long()  # [batch, nodes, 64]
         # Distinct powers of two: the sum is their OR, and no partial sum overflows int64.
@@ -195,8 +196,9 @@ def build_tree(
     top_k = min(beam, vocab_size)
 
     # Per depth: the top-K token ids in rank order and their log-probabilities.
-    top_ids = torch.empty(batch_size, draft_len, top_k, dtype=torch.int64, device=device)
-    top_log_probs = torch.empty(batch_size, draft_len, top_k, dtype=torch.float32, device=device)
+    shape = (batch_size, draft_len, top_k)
+    top_ids = torch.empty(shape, dtype=torch.int64, device=device)  # [batch, depth, k]
+    top_log_probs = torch.empty(shape, dtype=torch.float32, device=device)  # [batch, depth, k]
     vocab_ids = torch.arange(vocab_size, device=device)  # [vocab]
     for depth in range(draft_len):
         x = scaled_logits(draft_logits[:, depth], temperature)  # [batch, vocab]
@@ -206,8 +208,9 @@ def build_tree(
 
     # Beam per depth: score, beam index of the parent, rank, and the padded rank tuple.
     scores = torch.full((batch_size, draft_len, beam), _NEG_INF, device=device)  # [b, depth, beam]
-    parent_slot = torch.zeros(batch_size, draft_len, beam, dtype=torch.int64, device=device)
-    ranks = torch.zeros(batch_size, draft_len, beam, dtype=torch.int64, device=device)
+    shape = (batch_size, draft_len, beam)
+    parent_slot = torch.zeros(shape, dtype=torch.int64, device=device)  # [batch, depth, beam]
+    ranks = torch.zeros(shape, dtype=torch.int64, device=device)  # [batch, depth, beam]
     # Ranks stay below MAX_BUDGET = 1024, so int16 holds the tuples (a quarter of int64).
     tuples = torch.full(
         (batch_size, draft_len, beam, draft_len), -1, dtype=torch.int16, device=device
@@ -256,7 +259,8 @@ def build_tree(
     picked_depth = picked // beam  # [batch, beam], 0-based depth - 1
     picked_rank = ranks.flatten(1).gather(1, picked)  # [batch, beam]
     picked_tokens = top_ids.flatten(1).gather(1, picked_depth * top_k + picked_rank)  # [b, beam]
-    parent_flat = (picked_depth - 1).clamp(min=0) * beam + parent_slot.flatten(1).gather(1, picked)
+    parent_beam_slot = parent_slot.flatten(1).gather(1, picked)  # [batch, beam]
+    parent_flat = (picked_depth - 1).clamp(min=0) * beam + parent_beam_slot  # [batch, beam]
     parent_node = torch.where(
         picked_depth == 0, 0, 1 + position.gather(1, parent_flat)
     )  # [batch, beam]
@@ -399,8 +403,8 @@ def accept(
     node_ids = torch.arange(num_nodes_max, device=device)  # [nodes]
     in_tree = (node_ids >= 1) & (node_ids < tree.num_nodes.long()[:, None])  # [batch, nodes]
     path_len = tree.draft_len + 1
-    path_nodes = torch.full((batch_size, path_len), -1, dtype=torch.int64, device=device)
-    path_tokens = torch.full((batch_size, path_len), -1, dtype=torch.int64, device=device)
+    path_nodes = torch.full((batch_size, path_len), -1, device=device)  # [batch, path]
+    path_tokens = torch.full((batch_size, path_len), -1, device=device)  # [batch, path]
     length = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [batch]
     bonus = torch.full((batch_size,), -1, dtype=torch.int64, device=device)  # [batch]
     current = torch.zeros(batch_size, dtype=torch.int64, device=device)  # [batch]
@@ -453,6 +457,7 @@ def commit_kv(
     )
     num_pages, page_size, _ = kv_cache.shape
     flags = checks.commit_kv_flags(block_table, prefix_lens, acceptance, num_pages, page_size)
+    # flags: [batch]
     skip = checks.resolve_flags(flags, error_flags, checks.FLAG_MESSAGES["commit_kv"])  # [batch]
     path_len = acceptance.nodes.shape[1]
     slot = torch.arange(path_len, device=kv_cache.device)  # [path]
@@ -462,7 +467,8 @@ def commit_kv(
     source = prefix + acceptance.nodes.long()[request, step]  # [moves]
     dest = prefix + step  # [moves]
     table = block_table.long()  # [batch, max_pages]
-    values = kv_cache[table[request, source // page_size], source % page_size].clone()
+    source_page = table[request, source // page_size]  # [moves]
+    values = kv_cache[source_page, source % page_size].clone()  # [moves, head_dim]
     kv_cache[table[request, dest // page_size], dest % page_size] = values  # [moves, head_dim]
 
 
@@ -502,13 +508,15 @@ def verify_attention(
     batch_size, num_nodes_max, num_heads, _ = q.shape
     num_pages, page_size, _ = kv_cache.shape
     device = q.device
-    flags = checks.attention_flags(block_table, prefix_lens, tree, num_pages, page_size)
+    flags = checks.attention_flags(block_table, prefix_lens, tree, num_pages, page_size)  # [b]
     messages = checks.FLAG_MESSAGES["verify_attention"]
     skip = checks.resolve_flags(flags, error_flags, messages)  # [batch]
     if out is None:
         out = torch.zeros(batch_size, num_nodes_max, num_heads, v_dim, dtype=q.dtype, device=device)
+        # out: [batch, nodes, heads, v_dim]
     if lse is None:
         lse = torch.full((batch_size, num_nodes_max, num_heads), _NEG_INF, device=device)
+        # lse: [batch, nodes, heads]
     keep = ~skip  # [batch]
     prefix = torch.where(keep, prefix_lens.long(), 0)  # [batch]
     num_nodes = torch.where(keep, tree.num_nodes.long(), 1).clamp(1, num_nodes_max)  # [batch]
