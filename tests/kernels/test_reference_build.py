@@ -10,6 +10,8 @@ from helpers.assertions import assert_equal, assert_same_tree
 from helpers.generators import draft_logits, poison_rows, random_budgets
 from helpers.invariants import assert_tree_valid
 from helpers.oracles import brute_force_tree, heap_tree, tree_from_nodes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ddtree.kernels import ErrorFlag, reference
 from ddtree.kernels.types import Tree
@@ -252,3 +254,30 @@ def test_budget_max_draft_len_32_matches_heap() -> None:
     tree = reference.build_tree(logits, _roots(2, 1500), 1024)
     assert_tree_valid(tree, 1500)
     _assert_matches_heap(tree, logits, [1024, 1024])
+
+
+_LOGIT_VALUES = [0.0, 1.0, -1.0, 2.5, 30.0, -30.0, float("-inf"), float("inf"), float("nan")]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    data=st.data(),
+    draft_len=st.integers(1, 4),
+    vocab_size=st.integers(1, 6),
+    budget=st.integers(1, 40),
+)
+def test_property_matches_heap_on_adversarial_logits(
+    data: st.DataObject, draft_len: int, vocab_size: int, budget: int
+) -> None:
+    """Few distinct values (ties everywhere, +-inf, NaN, huge gaps): still the heap's tree."""
+    values = data.draw(
+        st.lists(
+            st.sampled_from(_LOGIT_VALUES),
+            min_size=2 * draft_len * vocab_size,
+            max_size=2 * draft_len * vocab_size,
+        )
+    )
+    logits = torch.tensor(values).reshape(2, draft_len, vocab_size)
+    tree = reference.build_tree(logits, _roots(2, vocab_size), budget)
+    assert_tree_valid(tree, vocab_size)
+    _assert_matches_heap(tree, logits, [budget, budget])
