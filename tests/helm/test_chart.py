@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -369,3 +370,28 @@ def test_helm_test_pod_checks_health_and_server_info_through_the_service(helm):
     selector = only(render(helm), "Service")["spec"]["selector"]
     labels = pod["metadata"]["labels"]
     assert not all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_helm_test_script_passes_against_a_real_server(helm, tmp_path):
+    # Run the test pod's own script, unchanged, against a local server instead of the Service.
+    from helpers.serving import ServerThread
+
+    from ddtree.service.config import ServiceConfig
+
+    command = only(render(helm), "Pod")["spec"]["containers"][0]["command"]
+    assert command[:2] == ["python3", "-c"]
+    server = ServerThread(ServiceConfig(listen=("127.0.0.1:0",), device="cpu"))
+    address = server.start()[0]
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", command[2], address, "10"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("SERVING; GetServerInfo: ")
+    assert "version" in result.stdout

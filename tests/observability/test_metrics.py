@@ -11,6 +11,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import ddtree
 from ddtree.service.metrics import (
     BUDGET_LADDER,
     GRPC_CODES,
@@ -322,3 +323,48 @@ def test_cuda_acceptances_count_like_cpu_ones(registry):
             name, labels
         )
     assert on_gpu.pending == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_budget_curve_is_what_each_smaller_tree_accepts(seed):
+    # The claim behind the live budget curve: walking the budget-b tree built from the same
+    # logits with the same target accepts exactly the big tree's path cut at its first node > b.
+    from ddtree.kernels import accept, build_tree
+
+    gen = torch.Generator().manual_seed(seed)
+    batch_size, draft_len, vocab_size, budget = 6, 5, 7, 64
+    logits = torch.randn(batch_size, draft_len, vocab_size, generator=gen) * 3
+    roots = torch.randint(0, vocab_size, (batch_size,), generator=gen)
+    big = build_tree(logits, roots, budget, backend="reference")
+    # A target that mostly agrees with the drafter's favourite child, so paths run deep.
+    targets = torch.randint(0, vocab_size, big.tokens.shape, generator=gen)
+    favourite = logits.argmax(dim=-1)  # [batch, draft_len]
+    depth = big.depths.clamp(0, draft_len - 1).long()  # [batch, nodes]: next depth index
+    agree = torch.rand(big.tokens.shape, generator=gen) < 0.8
+    targets = torch.where(agree, favourite.gather(1, depth), targets)
+    walked = accept(big, targets, backend="reference")
+    ladder = tuple(b for b in BUDGET_LADDER if b <= budget)
+    sums, walks = budget_curve(walked.nodes, walked.length, big.num_nodes, ladder)
+    for k, b in enumerate(ladder):
+        small = build_tree(logits, roots, b, backend="reference")
+        small_walk = accept(small, targets[:, : small.num_nodes_max], backend="reference")
+        assert int(sums[k]) == int(small_walk.length.sum()), f"budget {b}"
+        assert int(walks[k]) == batch_size
+    assert int(walked.length.sum()) > batch_size  # some draft tokens were accepted
+
+
+def test_publish_engine_reports_a_cpu_engine(metrics, registry):
+    from ddtree.service.engine import Engine
+
+    with Engine(device="cpu", backend="reference") as engine:
+        metrics.publish_engine(engine)
+    assert registry.get_sample_value("ddtree_devices") == 1
+    build = {
+        "version": ddtree.__version__,
+        "backend": "reference",
+        "gpu_name": "",
+        "compute_capability": "",
+    }
+    assert registry.get_sample_value("ddtree_build_info", build) == 1
+    labels = {"op": "accept", "device": "cpu"}
+    assert registry.get_sample_value("ddtree_op_device_seconds_count", labels) == 0
