@@ -21,6 +21,7 @@ FILES = ROOT / "helm" / "ddtree" / "files"
 RULES = FILES / "ddtree-rules.yaml"
 DASHBOARD = FILES / "ddtree-dashboard.json"
 RULES_TEST = Path(__file__).with_name("rules_test.yaml")
+DOCS = ROOT / "docs" / "observability.md"
 
 # Grafana's variables, replaced by valid PromQL before parsing.
 GRAFANA_VARIABLES = {
@@ -149,3 +150,20 @@ def test_dashboard_and_rules_read_only_metrics_the_service_exposes(exposed_serie
     assert read, "no metric names found"
     missing = {name for name in read if name not in exposed_series}
     assert not missing, f"expressions read series the service never exposes: {missing}"
+
+
+def test_every_promql_example_in_the_docs_parses_and_reads_exposed_metrics(
+    promtool, tmp_path, exposed_series
+):
+    examples = re.findall(r"```promql\n(.*?)```", DOCS.read_text(), re.S)
+    assert len(examples) >= 5
+    rules = [
+        {"record": f"ddtree_docs_check:example_{i}", "expr": expr.strip()}
+        for i, expr in enumerate(examples)
+    ]
+    path = tmp_path / "docs-exprs.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "docs", "rules": rules}]}))
+    result = _promtool(promtool, "check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    read = set().union(*(_metric_names(expr) for expr in examples))
+    assert read <= exposed_series, read - exposed_series
