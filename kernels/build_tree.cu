@@ -3,12 +3,15 @@
 // Python reference: ddtree.kernels.reference.build_tree (contract: ddtree.kernels.build.build_tree).
 // Rows are (request, depth) pairs, row = b * draft_len + (depth - 1). K = min(max_budget, V).
 //
-// 1. ddtree_build_partial  grid (num_chunks, rows), block PARTIAL_THREADS, dynamic shared memory
-//    chunk_size * 8 bytes. Each block reads one chunk of one row of logits exactly once into
-//    shared memory as 64-bit composites (order_key(x) << 32 | ~token): larger composite = larger
-//    scaled logit x, equal x smaller token id. It writes the chunk's max finite x, its sum of
-//    exp(x - max), its count of +inf, and its top-min(K, chunk) composites (radix select over the
-//    on-chip copy; the logits are not re-read).
+// 1. ddtree_build_partial  grid (num_chunks, rows), block PARTIAL_THREADS (256), dynamic shared
+//    memory (256 * TOPM + chunk) * 8 bytes, chunk = 256 * ELEMS entries. Each block reads one
+//    chunk of one row of logits exactly once (16-byte loads) into registers, ELEMS per thread.
+//    It writes the chunk's max finite x, its sum of exp(x - max) and its count of +inf, and its
+//    top min(K, chunk) entries as 64-bit composites order_key(x) << 32 | ~token (larger
+//    composite = larger scaled logit x, equal x smaller token id). Selection: every thread
+//    nominates its TOPM largest composites; the K-th largest nomination (radix select in shared
+//    memory) is a lower bound of the chunk's K-th largest, so only entries above it (at most K
+//    threads hold any) are compacted to shared memory and radix-selected exactly.
 // 2. ddtree_build_merge  grid (rows), block MERGE_THREADS, dynamic shared memory
 //    num_chunks * chunk_keep * 8 + pow2(K) * 8 bytes. Combines the chunk statistics into the
 //    row's log-sum-exp, selects the row's top-K composites, sorts them (bitonic), and writes the
@@ -29,6 +32,12 @@
 
 #ifndef PARTIAL_THREADS
 #define PARTIAL_THREADS 256
+#endif
+#ifndef ELEMS
+#define ELEMS 16
+#endif
+#ifndef TOPM
+#define TOPM 1
 #endif
 #ifndef MERGE_THREADS
 #define MERGE_THREADS 512
@@ -70,9 +79,17 @@ __device__ void ddtree_radix_select(const uint64_t* vals, int n, int k, uint32_t
     __syncthreads();
     const uint64_t prefix = state[0];
     const uint64_t mask = state[1];
-    for (int i = tid; i < n; i += blockDim.x) {
-      const uint64_t v = vals[i];
-      if ((v & mask) == prefix) atomicAdd(&hist[(v >> shift) & 255u], 1u);
+    // The high digits of one row's keys are nearly all equal: aggregate equal bins per warp
+    // before the shared-memory atomic, or the atomics serialise.
+    const int rounded = (n + blockDim.x - 1) / blockDim.x * blockDim.x;
+    for (int i = tid; i < rounded; i += blockDim.x) {
+      uint32_t bin = 256u;
+      if (i < n) {
+        const uint64_t v = vals[i];
+        if ((v & mask) == prefix) bin = (uint32_t)(v >> shift) & 255u;
+      }
+      const uint32_t peers = __match_any_sync(0xFFFFFFFFu, bin);
+      if (bin < 256u && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
     }
     __syncthreads();
     if (tid < 32) {
@@ -135,80 +152,146 @@ __device__ __forceinline__ float ddtree_block_reduce_sum(float v, float* scratch
   return v;
 }
 
+// Inserts composite c into a descending list of the thread's TOPM largest composites.
+__device__ __forceinline__ void ddtree_top_insert(uint64_t (&top)[TOPM], uint64_t c) {
+#pragma unroll
+  for (int j = 0; j < TOPM; ++j) {
+    const uint64_t t = top[j];
+    const bool swap = c > t;
+    top[j] = swap ? c : t;
+    c = swap ? t : c;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) ddtree_build_partial(
     const ddtree_logit_t* __restrict__ logits,  // [rows, vocab]
-    float temperature, int32_t vocab, int32_t chunk_size, int32_t num_chunks, int32_t keep,
+    float temperature, int32_t vocab, int32_t num_chunks, int32_t keep, int32_t cand_capacity,
     int32_t vectorized,
     uint64_t* __restrict__ part_keys,   // [rows, num_chunks, keep]
     float* __restrict__ part_stats) {   // [rows, num_chunks, 3]: max, sum exp(x - max), +inf count
-  extern __shared__ uint64_t smem_keys[];  // [chunk_size]
+  // Shared memory: the threads' top-TOPM lists, then up to cand_capacity candidates.
+  extern __shared__ uint64_t smem[];
+  uint64_t* lists = smem;                               // [PARTIAL_THREADS * TOPM]
+  uint64_t* cand = smem + PARTIAL_THREADS * TOPM;       // [cand_capacity]
   __shared__ uint32_t hist[256];
   __shared__ uint64_t state[4];
   __shared__ float scratch[32];
   __shared__ int counter;
-  const int tid = threadIdx.x;
+  constexpr int VEC = 16 / sizeof(ddtree_logit_t);
+  constexpr int CHUNK = PARTIAL_THREADS * ELEMS;
+  const int tid = threadIdx.x, lane = tid & 31;
   const int chunk = blockIdx.x;
   const int64_t row = blockIdx.y;
-  const int start = chunk * chunk_size;
-  const int len = min(chunk_size, vocab - start);
+  const int start = chunk * CHUNK;
+  const int len = min(CHUNK, vocab - start);
   const ddtree_logit_t* src = logits + row * (int64_t)vocab + start;
 
-  float local_max = -DDTREE_INF;
-  float local_inf = 0.0f;
-  constexpr int VEC = 16 / sizeof(ddtree_logit_t);
-  if (vectorized) {
-    // 16-byte loads: the host guarantees vocab % VEC == 0 and a 16-byte aligned base.
-    const uint4* src4 = reinterpret_cast<const uint4*>(src);
-    for (int v = tid; v < len / VEC; v += PARTIAL_THREADS) {
-      uint4 raw = __ldg(src4 + v);
+  // Element e of vector j of this thread is chunk entry (tid + j * PARTIAL_THREADS) * VEC + e:
+  // consecutive threads read consecutive 16-byte vectors. The chunk stays in registers.
+  float x[ELEMS];
+#pragma unroll
+  for (int j = 0; j < ELEMS / VEC; ++j) {
+    const int first = (tid + j * PARTIAL_THREADS) * VEC;
+    if (vectorized && first + VEC <= len) {
+      uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + first));
       const ddtree_logit_t* e = reinterpret_cast<const ddtree_logit_t*>(&raw);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float x = ddtree_scaled_logit(e[j], temperature);
-        const int i = v * VEC + j;
-        smem_keys[i] = ddtree_composite(x, (uint32_t)(start + i));
-        if (x == DDTREE_INF) local_inf += 1.0f;
-        else local_max = fmaxf(local_max, x);
+      for (int k = 0; k < VEC; ++k) x[j * VEC + k] = ddtree_scaled_logit(e[k], temperature);
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        x[j * VEC + k] = first + k < len ? ddtree_scaled_logit(src[first + k], temperature)
+                                         : __int_as_float(0x7FC00000);  // NaN: not an entry
       }
     }
-  } else {
-    for (int i = tid; i < len; i += PARTIAL_THREADS) {
-      const float x = ddtree_scaled_logit(src[i], temperature);
-      smem_keys[i] = ddtree_composite(x, (uint32_t)(start + i));
-      if (x == DDTREE_INF) local_inf += 1.0f;
-      else local_max = fmaxf(local_max, x);
+  }
+  float local_max = -DDTREE_INF, local_inf = 0.0f;
+  uint64_t top[TOPM];
+#pragma unroll
+  for (int j = 0; j < TOPM; ++j) top[j] = 0;
+#pragma unroll
+  for (int i = 0; i < ELEMS; ++i) {
+    const float v = x[i];
+    if (v == DDTREE_INF) local_inf += 1.0f;
+    else if (!isnan(v)) local_max = fmaxf(local_max, v);
+    if (!isnan(v)) {
+      const int idx = (tid + (i / VEC) * PARTIAL_THREADS) * VEC + (i % VEC);
+      ddtree_top_insert(top, ddtree_composite(v, (uint32_t)(start + idx)));
     }
   }
   const float row_max = ddtree_block_reduce_max(local_max, scratch);
   const float inf_count = ddtree_block_reduce_sum(local_inf, scratch);
   float local_sum = 0.0f;
   if (row_max > -DDTREE_INF) {
-    for (int i = tid; i < len; i += PARTIAL_THREADS) {
-      const float x = ddtree_composite_value(smem_keys[i]);
-      if (x > -DDTREE_INF && x < DDTREE_INF) local_sum += expf(x - row_max);
+#pragma unroll
+    for (int i = 0; i < ELEMS; ++i) {
+      const float v = x[i];
+      if (v > -DDTREE_INF && v < DDTREE_INF) local_sum += expf(v - row_max);
     }
   }
   const float sum = ddtree_block_reduce_sum(local_sum, scratch);
-  float* stats = part_stats + (row * num_chunks + chunk) * 3;
   if (tid == 0) {
+    float* stats = part_stats + (row * num_chunks + chunk) * 3;
     stats[0] = row_max;
     stats[1] = sum;
     stats[2] = inf_count;
     counter = 0;
   }
-  uint64_t prefix, mask;
-  ddtree_radix_select(smem_keys, len, keep, hist, state, &prefix, &mask);
-  uint64_t* out = part_keys + (row * num_chunks + chunk) * (int64_t)keep;
-  for (int i = tid; i < len; i += PARTIAL_THREADS) {
-    const uint64_t v = smem_keys[i];
-    if ((v & mask) >= prefix) {
-      const int pos = atomicAdd(&counter, 1);
-      if (pos < keep) out[pos] = v;
+#pragma unroll
+  for (int j = 0; j < TOPM; ++j) lists[tid * TOPM + j] = top[j];
+  __syncthreads();
+
+  // Threshold: the keep-th largest of the threads' top lists is a lower bound of the chunk's
+  // keep-th largest entry, and at most `keep` threads hold an entry above it.
+  uint64_t prefix = 0, mask = 0;
+  const bool take_all = len <= keep;
+  if (!take_all) ddtree_radix_select(lists, PARTIAL_THREADS * TOPM, keep, hist, state, &prefix, &mask);
+  // Compact the candidates (warp-aggregated offsets).
+  int mine = 0;
+#pragma unroll
+  for (int i = 0; i < ELEMS; ++i) {
+    const float v = x[i];
+    if (!isnan(v)) {
+      const int idx = (tid + (i / VEC) * PARTIAL_THREADS) * VEC + (i % VEC);
+      mine += (ddtree_composite(v, (uint32_t)(start + idx)) & mask) >= prefix ? 1 : 0;
+    }
+  }
+  int incl = mine;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int o = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+    if (lane >= off) incl += o;
+  }
+  int base = 0;
+  if (lane == 31) base = atomicAdd(&counter, incl);
+  base = __shfl_sync(0xFFFFFFFFu, base, 31);
+  int pos = base + incl - mine;
+#pragma unroll
+  for (int i = 0; i < ELEMS; ++i) {
+    const float v = x[i];
+    if (!isnan(v)) {
+      const int idx = (tid + (i / VEC) * PARTIAL_THREADS) * VEC + (i % VEC);
+      const uint64_t c = ddtree_composite(v, (uint32_t)(start + idx));
+      if ((c & mask) >= prefix && pos < cand_capacity) cand[pos++] = c;
     }
   }
   __syncthreads();
-  // A short last chunk pads with composite 0: below every real composite, token 0xFFFFFFFF.
-  for (int i = counter + tid; i < keep; i += PARTIAL_THREADS) out[i] = 0;
+  const int n = min(counter, cand_capacity);
+  __syncthreads();
+  if (tid == 0) counter = 0;
+  __syncthreads();
+  ddtree_radix_select(cand, n, keep, hist, state, &prefix, &mask);
+  uint64_t* out = part_keys + (row * num_chunks + chunk) * (int64_t)keep;
+  for (int i = tid; i < n; i += PARTIAL_THREADS) {
+    const uint64_t c = cand[i];
+    if ((c & mask) >= prefix) {
+      const int p = atomicAdd(&counter, 1);
+      if (p < keep) out[p] = c;
+    }
+  }
+  __syncthreads();
+  // A short chunk pads with composite 0: below every real composite, token 0xFFFFFFFF.
+  for (int i = min(counter, keep) + tid; i < keep; i += PARTIAL_THREADS) out[i] = 0;
 }
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
@@ -330,13 +413,6 @@ struct DdtreeCand {
   int parent, rank, depth;
 };
 
-__device__ __forceinline__ bool ddtree_cand_better(const DdtreeCand& a, const DdtreeCand& b,
-                                                   const int16_t* parent, const int16_t* rank) {
-  if (a.score != b.score) return a.score > b.score;
-  if (a.score == -DDTREE_INF) return false;
-  return ddtree_lex_less(a.parent, a.rank, a.depth, b.parent, b.rank, b.depth, parent, rank);
-}
-
 #define DDTREE_MAX_NODES 1025
 
 extern "C" __global__ void ddtree_build_select(
@@ -360,6 +436,9 @@ extern "C" __global__ void ddtree_build_select(
   __shared__ int8_t node_depth[DDTREE_MAX_NODES];
   __shared__ float node_score[DDTREE_MAX_NODES];
   __shared__ int counts[32];
+  __shared__ int16_t slot_parent[1024];
+  __shared__ int16_t slot_rank[1024];
+  __shared__ int8_t slot_depth[1024];
   __shared__ DdtreeCand red[2][32];
   __shared__ int red_slot[2][32];
   __shared__ int skip;
@@ -387,41 +466,70 @@ extern "C" __global__ void ddtree_build_select(
   __syncthreads();
   const int budget = skip ? 0 : min(max(budgets[b], 0), num_nodes_max - 1);
 
+  // Frontier slot `tid`: its candidate lives in registers and, for in-warp tie-breaks, in
+  // shared memory (written only by its owner lane, read only by lanes of the same warp).
   DdtreeCand mine = {-DDTREE_INF, 0, 0, 1};
   if (tid == 0 && counts[0] > 0) mine.score = lp[0];
+  slot_parent[tid] = 0;
+  slot_rank[tid] = 0;
+  slot_depth[tid] = 1;
+  __syncwarp();
   int size = 1;
   int popped = 0;
   while (popped < budget) {
-    DdtreeCand best = mine;
+    // In-warp argmax over (score, slot); equal finite scores compare rank tuples.
+    float best_score = mine.score;
     int best_slot = tid;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
-      DdtreeCand o;
-      o.score = __shfl_xor_sync(0xFFFFFFFFu, best.score, off);
-      o.parent = __shfl_xor_sync(0xFFFFFFFFu, best.parent, off);
-      o.rank = __shfl_xor_sync(0xFFFFFFFFu, best.rank, off);
-      o.depth = __shfl_xor_sync(0xFFFFFFFFu, best.depth, off);
-      const int os = __shfl_xor_sync(0xFFFFFFFFu, best_slot, off);
-      if (ddtree_cand_better(o, best, node_parent, node_rank) ||
-          (o.score == best.score && o.score == -DDTREE_INF && os < best_slot)) {
-        best = o;
-        best_slot = os;
+      const float os = __shfl_xor_sync(0xFFFFFFFFu, best_score, off);
+      const int oslot = __shfl_xor_sync(0xFFFFFFFFu, best_slot, off);
+      bool take = os > best_score;
+      if (os == best_score) {
+        take = os > -DDTREE_INF
+                   ? ddtree_lex_less(slot_parent[oslot], slot_rank[oslot], slot_depth[oslot],
+                                     slot_parent[best_slot], slot_rank[best_slot],
+                                     slot_depth[best_slot], node_parent, node_rank)
+                   : oslot < best_slot;
+      }
+      if (take) {
+        best_score = os;
+        best_slot = oslot;
       }
     }
-    const int par = popped & 1;
-    if (lane == 0) {
-      red[par][warp] = best;
-      red_slot[par][warp] = best_slot;
-    }
-    __syncthreads();
-    best = red[par][0];
-    best_slot = red_slot[par][0];
-    for (int w = 1; w < warps; ++w) {
-      const DdtreeCand o = red[par][w];
-      if (ddtree_cand_better(o, best, node_parent, node_rank)) {
-        best = o;
-        best_slot = red_slot[par][w];
+    DdtreeCand best;
+    if (warps > 1) {
+      const int par = popped & 1;
+      if (lane == 0) {
+        red[par][warp] = {best_score, slot_parent[best_slot], slot_rank[best_slot],
+                          slot_depth[best_slot]};
+        red_slot[par][warp] = best_slot;
       }
+      __syncthreads();
+      // Across warps: lane w holds warp w's winner; the same shuffle argmax over warp ids.
+      int w_best = lane < warps ? lane : 0;
+      float s_best = lane < warps ? red[par][lane].score : -DDTREE_INF;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float os = __shfl_xor_sync(0xFFFFFFFFu, s_best, off);
+        const int ow = __shfl_xor_sync(0xFFFFFFFFu, w_best, off);
+        bool take = os > s_best;
+        if (os == s_best) {
+          const DdtreeCand& a = red[par][ow];
+          const DdtreeCand& c = red[par][w_best];
+          take = os > -DDTREE_INF ? ddtree_lex_less(a.parent, a.rank, a.depth, c.parent, c.rank,
+                                                    c.depth, node_parent, node_rank)
+                                  : ow < w_best;
+        }
+        if (take) {
+          s_best = os;
+          w_best = ow;
+        }
+      }
+      best = red[par][w_best];
+      best_slot = red_slot[par][w_best];
+    } else {
+      best = {best_score, slot_parent[best_slot], slot_rank[best_slot], slot_depth[best_slot]};
     }
     if (best.score == -DDTREE_INF) break;  // uniform: every thread saw the same winner
     const int n = ++popped;
@@ -437,7 +545,9 @@ extern "C" __global__ void ddtree_build_select(
     const int d = best.depth;
     const bool has_child = d < draft_len && counts[d] > 0;
     const bool has_sibling = best.rank + 1 < counts[d - 1];
-    if (tid == best_slot) {
+    const bool owns_popped = tid == best_slot;
+    const bool owns_fresh = has_child && has_sibling && tid == size;
+    if (owns_popped) {
       if (has_child) {
         mine = {best.score + lp[d * top_k], n, 0, d + 1};
       } else if (has_sibling) {
@@ -447,13 +557,17 @@ extern "C" __global__ void ddtree_build_select(
         mine.score = -DDTREE_INF;
       }
     }
-    if (has_child && has_sibling) {
-      if (tid == size) {
-        mine = {node_score[best.parent] + lp[(d - 1) * top_k + best.rank + 1], best.parent,
-                best.rank + 1, d};
-      }
-      ++size;
+    if (owns_fresh) {
+      mine = {node_score[best.parent] + lp[(d - 1) * top_k + best.rank + 1], best.parent,
+              best.rank + 1, d};
     }
+    if (owns_popped || owns_fresh) {
+      slot_parent[tid] = mine.parent;
+      slot_rank[tid] = mine.rank;
+      slot_depth[tid] = mine.depth;
+    }
+    __syncwarp();
+    if (has_child && has_sibling) ++size;
   }
   __syncthreads();
   const int count = 1 + popped;

@@ -652,6 +652,13 @@ def set_max_dynamic_smem(kernel: Any, shared_mem_bytes: int, device: torch.devic
         )
 
 
+@functools.lru_cache(maxsize=256)
+def _launch_config(params: LaunchParams) -> Any:
+    from cuda.core import LaunchConfig
+
+    return LaunchConfig(grid=params.grid, block=params.block, shmem_size=params.shared_mem_bytes)
+
+
 @functools.lru_cache(maxsize=64)
 def _core_stream(handle: int) -> Any:
     """``cuda.core.Stream`` view of a raw ``cudaStream_t`` owned by torch (not owned here)."""
@@ -682,13 +689,12 @@ def launch(
     CudaError
         The driver rejected the launch.
     """
-    from cuda.core import LaunchConfig
     from cuda.core import launch as core_launch
 
     index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
     _make_current(index)
     stream = _core_stream(torch.cuda.current_stream(index).cuda_stream)
-    config = LaunchConfig(grid=params.grid, block=params.block, shmem_size=params.shared_mem_bytes)
+    config = _launch_config(params)
     try:
         core_launch(stream, config, kernel, *args)
     except Exception as err:

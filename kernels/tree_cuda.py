@@ -44,7 +44,7 @@ _COMMIT_COLS = 64
 _MAX_SMEM_BYTES = 200 * 1024
 """Dynamic shared memory a block may ask for (under the 227 KiB opt-in of sm_90 and sm_100;
 sm_120 offers about 99 KiB, where ``build_tree_plan`` is called with a smaller limit)."""
-_STATIC_SMEM_RESERVE = 16 * 1024
+_STATIC_SMEM_RESERVE = 20 * 1024
 """Upper bound of any of these kernels' static shared memory."""
 
 
@@ -55,7 +55,11 @@ class BuildTreePlan:
     top_k: int
     """Tokens kept per (request, depth) row, ``min(max_budget, vocab_size)``."""
     chunk_size: int
-    """Vocabulary entries one partial block reads."""
+    """Vocabulary entries one partial block reads (``256 * elems_per_thread``)."""
+    elems_per_thread: int
+    """Entries each partial thread holds in registers (``ELEMS`` in build_tree.cu)."""
+    top_m: int
+    """Entries each partial thread nominates for the chunk threshold (``TOPM``)."""
     num_chunks: int
     keep: int
     """Candidates each partial block hands to the merge, ``min(top_k, chunk_size)``."""
@@ -97,18 +101,17 @@ def build_tree_plan(
         The vocabulary is too large for the merge to fit in shared memory at this budget.
     """
     top_k = min(max_budget, vocab_size)
-    # Larger chunks for larger K keep the candidates handed to the merge at most 1/16 of a row.
-    chunk = 4096 if top_k <= 256 else 8192 if top_k <= 512 else 16384
-    chunk = min(chunk, -(-vocab_size // 8) * 8)
+    # Each partial thread nominates its top `top_m` entries; the K-th largest nomination bounds
+    # the chunk's candidates. K / chunk stays at most 1/16, so what the merge reads is small.
+    top_m = 1 if top_k <= 128 else 2 if top_k <= 256 else 4
+    elems = 16 * top_m
+    chunk = _PARTIAL_THREADS * elems
     sort_size = 1 << max(0, (top_k - 1).bit_length())
-    while True:
-        num_chunks = -(-vocab_size // chunk)
-        keep = min(top_k, chunk)
-        merge_smem = (num_chunks * keep + sort_size) * 8
-        if merge_smem <= max_smem_bytes or chunk * 8 * 2 > max_smem_bytes:
-            break
-        chunk *= 2
-    if merge_smem > max_smem_bytes or chunk * 8 > max_smem_bytes:
+    num_chunks = -(-vocab_size // chunk)
+    keep = min(top_k, chunk)
+    merge_smem = (num_chunks * keep + sort_size) * 8
+    partial_smem = (_PARTIAL_THREADS * top_m + chunk) * 8
+    if merge_smem > max_smem_bytes or partial_smem > max_smem_bytes:
         raise ValueError(
             f"draft_logits: vocab_size {vocab_size} is too large for budget {max_budget} "
             f"(the row merge needs {merge_smem} bytes of shared memory, {max_smem_bytes} available)"
@@ -124,11 +127,13 @@ def build_tree_plan(
     return BuildTreePlan(
         top_k=top_k,
         chunk_size=chunk,
+        elems_per_thread=elems,
+        top_m=top_m,
         num_chunks=num_chunks,
         keep=keep,
         sort_size=sort_size,
         lp_in_smem=lp_in_smem,
-        partial=jit.LaunchParams((num_chunks, rows, 1), (_PARTIAL_THREADS, 1, 1), chunk * 8),
+        partial=jit.LaunchParams((num_chunks, rows, 1), (_PARTIAL_THREADS, 1, 1), partial_smem),
         merge=jit.LaunchParams((rows, 1, 1), (_MERGE_THREADS, 1, 1), merge_smem),
         select=jit.LaunchParams(
             (batch_size, 1, 1), (select_threads, 1, 1), lp_bytes if lp_in_smem else 0
@@ -161,9 +166,9 @@ def commit_kv_launch_params(batch_size: int, row_bytes: int) -> jit.LaunchParams
 
 
 @functools.cache
-def _kernel(source: str, entry: str, dtype_code: int, index: int) -> Any:
-    defines = {"DDTREE_DTYPE": dtype_code}
-    kernel = jit.get_kernel(source, entry, defines, index)
+def _build_kernel(entry: str, dtype_code: int, elems: int, top_m: int, index: int) -> Any:
+    defines = {"DDTREE_DTYPE": dtype_code, "ELEMS": elems, "TOPM": top_m}
+    kernel = jit.get_kernel("build_tree.cu", entry, defines, index)
     # Allow the largest dynamic size once (static shared memory stays under 16 KiB), so any
     # smaller size of a later launch fits too.
     jit.set_max_dynamic_smem(kernel, _max_smem(index), index)
@@ -216,7 +221,7 @@ def build_tree(
     plan = build_tree_plan(
         batch_size, draft_len, vocab_size, num_nodes_max - 1, max_smem_bytes=_max_smem(index)
     )
-    code = _DTYPE_CODES[draft_logits.dtype]
+    variant = (_DTYPE_CODES[draft_logits.dtype], plan.elems_per_thread, plan.top_m, index)
     rows = batch_size * draft_len
     words = mask_words(num_nodes_max)
     element = draft_logits.element_size()
@@ -236,21 +241,21 @@ def build_tree(
 
     with torch.cuda.device(index):
         jit.launch(
-            _kernel("build_tree.cu", "ddtree_build_partial", code, index),
+            _build_kernel("ddtree_build_partial", *variant),
             plan.partial,
             _ptr(draft_logits),
             ctypes.c_float(temperature),
             _i32(vocab_size),
-            _i32(plan.chunk_size),
             _i32(plan.num_chunks),
             _i32(plan.keep),
+            _i32(plan.chunk_size),
             _i32(int(vectorized)),
             _ptr(part_keys),
             _ptr(part_stats),
             device=index,
         )
         jit.launch(
-            _kernel("build_tree.cu", "ddtree_build_merge", code, index),
+            _build_kernel("ddtree_build_merge", *variant),
             plan.merge,
             _ptr(part_keys),
             _ptr(part_stats),
@@ -265,7 +270,7 @@ def build_tree(
             device=index,
         )
         jit.launch(
-            _kernel("build_tree.cu", "ddtree_build_select", code, index),
+            _build_kernel("ddtree_build_select", *variant),
             plan.select,
             _ptr(topk_lp),
             _ptr(topk_tok),
