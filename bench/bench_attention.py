@@ -197,15 +197,13 @@ def bench_shape(shape: tuple[int, int, int, int], sweep: bool) -> dict[str, obje
     flags = torch.zeros(batch, dtype=torch.int32, device="cuda")
     index = torch.cuda.current_device()
     num_sms, max_smem = attention_cuda._device_limits(index)
+    capacity = probe.block_table.shape[1] * PAGE_SIZE
+    wgmma = attention_cuda.has_wgmma(index)
     plan = attention_cuda.plan_launch(
-        batch,
-        nodes,
-        heads,
-        HEAD_DIM,
-        V_DIM,
-        probe.block_table.shape[1] * PAGE_SIZE,
-        num_sms,
-        max_smem,
+        batch, nodes, heads, HEAD_DIM, V_DIM, capacity, num_sms, max_smem, use_wgmma=wgmma
+    )
+    portable = attention_cuda.plan_launch(
+        batch, nodes, heads, HEAD_DIM, V_DIM, capacity, num_sms, max_smem
     )
 
     def ours_with(p: attention_cuda.AttentionPlan) -> Callable[[int], object]:
@@ -222,12 +220,24 @@ def bench_shape(shape: tuple[int, int, int, int], sweep: bool) -> dict[str, obje
     result["ddtree_tflops"] = work / (ms * 1e-3) / 1e12
     result["ddtree_num_splits"] = plan.num_splits
     result["ddtree_tile"] = dataclasses.asdict(plan.config)
+    if plan.config != portable.config:
+        ms = timed(ours_with(portable))
+        result["ddtree_mma_sync_tflops"] = work / (ms * 1e-3) / 1e12
     if sweep:
         candidates = sorted({1, 2, 3, 4, 6, 8, 11, 16, 24, 32} | {plan.num_splits})
         swept = {}
         for splits in candidates:
             p = attention_cuda.plan_launch(
-                batch, nodes, heads, HEAD_DIM, V_DIM, 1, num_sms, max_smem, num_splits=splits
+                batch,
+                nodes,
+                heads,
+                HEAD_DIM,
+                V_DIM,
+                1,
+                num_sms,
+                max_smem,
+                num_splits=splits,
+                use_wgmma=wgmma,
             )
             swept[str(splits)] = work / (timed(ours_with(p), 60.0) * 1e-3) / 1e12
         result["ddtree_split_sweep_tflops"] = swept

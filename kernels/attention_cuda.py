@@ -7,9 +7,11 @@ when ``error_flags`` is given:
 1. ``ddtree_verify_attention_check``: per request, validates ``num_nodes``, ``prefix_lens`` and
    every block-table entry the request reads (the bits of ``checks.attention_flags``) and marks
    flagged requests to be skipped;
-2. ``ddtree_verify_attention``: flash-style attention of ``BLOCK_M`` query rows (node-major,
-   head-minor: all heads share the one latent K/V) over a range of key tiles, on warp-level
-   ``mma.sync`` bf16 tensor cores with fp32 accumulation;
+2. ``ddtree_verify_attention``: flash-style attention of 64 query rows (node-major, head-minor:
+   all heads share the one latent K/V) over a range of key tiles. On compute capability 9.0 the
+   ``sm_90a`` build issues wgmma from shared memory; elsewhere the portable build uses warp-level
+   ``mma.sync`` (bf16 in, fp32 accumulation), with smaller tiles where shared memory is short
+   (sm_120);
 3. ``ddtree_verify_attention_combine`` (only when the key range is split across thread blocks
    to fill the GPU): merges the partial results by their log-sum-exp.
 
@@ -28,7 +30,14 @@ import torch
 from ddtree.kernels import checks, jit
 from ddtree.kernels.types import ErrorFlag, Tree
 
-__all__ = ["AttentionPlan", "TileConfig", "plan_launch", "tile_config", "verify_attention"]
+__all__ = [
+    "AttentionPlan",
+    "TileConfig",
+    "has_wgmma",
+    "plan_launch",
+    "tile_config",
+    "verify_attention",
+]
 
 _SOURCE = "verify_attention.cu"
 _LOG2E = 1.4426950408889634
@@ -60,6 +69,13 @@ class TileConfig:
     block_n: int
     warps_m: int
     warps_n: int
+    wgmma: bool = False
+    """Hopper path: compiled for ``sm_90a``, products on wgmma (two warpgroups)."""
+
+    @property
+    def arch(self) -> str | None:
+        """Architecture to compile for, or ``None`` for the device's own."""
+        return "sm_90a" if self.wgmma else None
 
     @property
     def threads(self) -> int:
@@ -70,7 +86,7 @@ class TileConfig:
     def shared_mem_bytes(self) -> int:
         """Dynamic shared memory: Q tile, two key tiles, the P tile and row-reduction scratch."""
         row_bytes = self.head_dim * 2
-        p_bytes = self.block_m * (self.block_n * 2 + 16)
+        p_bytes = self.block_m * (self.block_n * 2 + (0 if self.wgmma else 16))
         return (
             self.block_m * row_bytes
             + 2 * self.block_n * row_bytes
@@ -87,11 +103,14 @@ class TileConfig:
             "VA_BLOCK_N": self.block_n,
             "VA_WARPS_M": self.warps_m,
             "VA_WARPS_N": self.warps_n,
+            "VA_WGMMA": int(self.wgmma),
         }
 
 
-def tile_config(head_dim: int, v_dim: int, max_shared_mem_bytes: int) -> TileConfig:
-    """Pick the largest kernel variant whose shared memory fits the device.
+def tile_config(
+    head_dim: int, v_dim: int, max_shared_mem_bytes: int, *, use_wgmma: bool = False
+) -> TileConfig:
+    """Pick the kernel variant for a device: wgmma on Hopper, else the largest that fits.
 
     Parameters
     ----------
@@ -101,11 +120,15 @@ def tile_config(head_dim: int, v_dim: int, max_shared_mem_bytes: int) -> TileCon
         Value width (512).
     max_shared_mem_bytes : int
         The device's opt-in shared memory per block (232448 on H100/H200/B200, 101376 on sm_120).
+    use_wgmma : bool
+        Take the ``sm_90a`` wgmma variant (64 x 64 tiles, two warpgroups) when ``v_dim == 512``
+        and it fits; only for compute capability 9.0 devices.
 
     Returns
     -------
     TileConfig
-        64 x 64 tiles with 8 warps where they fit, else 32 x 16 tiles with 4 warps.
+        The wgmma variant if asked for and possible; else 64 x 64 tiles with 8 warps on
+        ``mma.sync`` where they fit, else 32 x 16 tiles with 4 warps.
 
     Raises
     ------
@@ -119,8 +142,13 @@ def tile_config(head_dim: int, v_dim: int, max_shared_mem_bytes: int) -> TileCon
             f"of 64 up to min(head_dim, 512), got head_dim={head_dim}, v_dim={v_dim}; "
             "use backend='reference' for other widths"
         )
-    for block_m, block_n, warps_m, warps_n in ((64, 64, 2, 4), (32, 16, 2, 2)):
-        config = TileConfig(head_dim, v_dim, block_m, block_n, warps_m, warps_n)
+    candidates = [
+        TileConfig(head_dim, v_dim, 64, 64, 2, 4),
+        TileConfig(head_dim, v_dim, 32, 16, 2, 2),
+    ]
+    if use_wgmma and v_dim == 512:
+        candidates.insert(0, TileConfig(head_dim, v_dim, 64, 64, 4, 2, wgmma=True))
+    for config in candidates:
         if config.shared_mem_bytes <= max_shared_mem_bytes:
             return config
     raise ValueError(
@@ -166,6 +194,8 @@ def plan_launch(
     num_sms: int,
     max_shared_mem_bytes: int,
     num_splits: int | None = None,
+    *,
+    use_wgmma: bool = False,
 ) -> AttentionPlan:
     """Launch parameters of one call, from sizes alone.
 
@@ -183,6 +213,8 @@ def plan_launch(
         The device's opt-in shared memory per block.
     num_splits : int, optional
         Force this many key-range splits (tests and benchmarks); default: the cost model's pick.
+    use_wgmma : bool
+        See :func:`tile_config`.
 
     Returns
     -------
@@ -190,7 +222,7 @@ def plan_launch(
         Grids: check ``(batch_size,)``; attention ``(m_tiles, num_splits, batch_size)``;
         combine ``(num_nodes_max * num_heads, batch_size)``.
     """
-    config = tile_config(head_dim, v_dim, max_shared_mem_bytes)
+    config = tile_config(head_dim, v_dim, max_shared_mem_bytes, use_wgmma=use_wgmma)
     rows = num_nodes_max * num_heads
     m_tiles = math.ceil(rows / config.block_m)
     key_tiles = max(1, math.ceil(min(capacity_tokens, 1 << 31) / config.block_n))
@@ -225,13 +257,31 @@ def _device_limits(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_properties(index).multi_processor_count, int(value)
 
 
+def has_wgmma(index: int) -> bool:
+    """Whether CUDA device ``index`` runs the ``sm_90a`` wgmma variant (compute capability 9.0)."""
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 @functools.cache
 def _kernels(config: TileConfig, index: int) -> tuple[object, object, object]:
     """The three kernels of ``config`` for device ``index``, with the shared-memory limit set."""
     defines = config.defines()
-    check = jit.get_kernel(_SOURCE, "ddtree_verify_attention_check", defines, index)
-    attention = jit.get_kernel(_SOURCE, "ddtree_verify_attention", defines, index)
-    combine = jit.get_kernel(_SOURCE, "ddtree_verify_attention_combine", defines, index)
+    entries = (
+        "ddtree_verify_attention_check",
+        "ddtree_verify_attention",
+        "ddtree_verify_attention_combine",
+    )
+    if config.arch is None:
+        check, attention, combine = (jit.get_kernel(_SOURCE, e, defines, index) for e in entries)
+    else:
+        # The architecture-specific target (sm_90a) is not the device's default one; the cubin
+        # still comes from jit's compiler and disk cache.
+        from cuda.core import ObjectCode
+
+        jit.get_kernel(_SOURCE, entries[0], {}, index)  # makes torch's context current here
+        cubin, _ = jit.compile_cubin(_SOURCE, config.arch, defines)
+        module = ObjectCode.from_cubin(cubin, name=_SOURCE)
+        check, attention, combine = (module.get_kernel(e) for e in entries)
     jit.set_max_dynamic_smem(attention, config.shared_mem_bytes, index)
     return check, attention, combine
 
@@ -331,6 +381,7 @@ def verify_attention(
         block_table.shape[1] * page_size,
         num_sms,
         max_smem,
+        use_wgmma=has_wgmma(index),
     )
     return _run(plan, q, kv_cache, block_table, prefix_lens, tree, scale, out, lse, error_flags)
 

@@ -1,4 +1,4 @@
-// Tree-verify MLA attention (absorbed form) over a paged latent cache, on warp-level tensor cores.
+// Tree-verify MLA attention (absorbed form) over a paged latent cache, on tensor cores.
 //
 // Python reference: ddtree.kernels.reference.verify_attention (contract: kernels/attention.py).
 //
@@ -10,30 +10,36 @@
 //
 // Kernels (all extern "C"; variants by -D macros, defaults below compile for sm_90/100/120):
 //   ddtree_verify_attention_check    grid (batch_size), block 256. Validates num_nodes, prefix
-//       lengths and every block-table entry the request reads; writes the request's flag bits to
-//       flags[b], ORs them into error_flags[b] (when given) and writes skip[b] = 1 when the
-//       request must be left untouched (own bits, or bits set earlier in error_flags).
-//   ddtree_verify_attention          grid (m_tiles, num_splits, batch_size), block VA_THREADS.
-//       One CTA = BLOCK_M query rows x one contiguous range of key tiles (the split). Flash-style
-//       online softmax over key tiles of BLOCK_N keys; mma.sync m16n8k16 bf16 -> fp32, ldmatrix,
-//       cp.async double buffering of the key tiles. Warp (wm, wn) of WARPS_M x WARPS_N computes
-//       S for rows wm*WM.. and keys wn*WN.., exchanges row maxima through shared memory, writes
-//       its P slice (bf16) to shared memory, then accumulates O for rows wm*WM.. and value dims
-//       wn*WD.. from the whole P tile. With num_splits == 1 it writes out/lse; otherwise
-//       normalised fp32 partials (part_o, part_lse) for the combine kernel.
+//       lengths and every block-table entry the request reads (the bits of
+//       ddtree.kernels.checks.attention_flags); writes them to flags[b], ORs them into
+//       error_flags[b] (when given) and sets skip[b] when the request must be left untouched
+//       (its own bits, or bits an earlier op set in error_flags).
+//   ddtree_verify_attention          grid (m_tiles, num_splits, batch_size), block 32 *
+//       WARPS_M * WARPS_N. One CTA = BLOCK_M query rows x one contiguous range of key tiles (its
+//       split of the request's ceil((prefix_len + num_nodes) / BLOCK_N) tiles). Flash-style
+//       online softmax over key tiles of BLOCK_N keys, cp.async double buffering of the tiles
+//       (one barrier per tile for the pipeline, one for the row-max exchange, one for P).
+//       Warp (wm, wn) of WARPS_M x WARPS_N computes S for rows wm*WM.. and keys wn*WN..,
+//       exchanges row maxima through shared memory, writes its P slice (bf16) to shared memory,
+//       then accumulates O for rows wm*WM.. and value dims wn*WD.. from the whole P tile.
+//       Portable path (VA_WGMMA=0, sm_80+): mma.sync m16n8k16 bf16 -> fp32 with ldmatrix.
+//       Hopper path (VA_WGMMA=1, sm_90a only): the same schedule with warpgroup wn issuing
+//       wgmma m64n32k16 for S and m64n256k16 for O straight from shared memory.
+//       With num_splits == 1 the CTA writes out/lse; otherwise normalised fp32 partials.
 //   ddtree_verify_attention_combine  grid (R, batch_size), block 128. Merges the splits of one
 //       row by their log-sum-exp and writes out/lse.
 //
 // Shared memory (dynamic, bytes): Q tile BLOCK_M*HEAD_DIM*2, two key tiles 2*BLOCK_N*HEAD_DIM*2
-// (16-byte chunks XOR-swizzled by row & 7 so ldmatrix is conflict-free), the P tile
-// BLOCK_M*(BLOCK_N*2+16) (padded rows) and WARPS_N*BLOCK_M floats for cross-warp row reductions.
-// Defaults (64x64 tiles, 8 warps): 231424 bytes (Hopper/B200 allow 232448). sm_120 (99 KB per
-// block) uses -DVA_BLOCK_M=32 -DVA_BLOCK_N=16 -DVA_WARPS_M=2 -DVA_WARPS_N=2: 75520 bytes.
+// (16-byte chunks XOR-swizzled by row & 7: conflict-free ldmatrix, and wgmma's 128-byte swizzle
+// when stored as 64-dim column blocks), the P tile and WARPS_N*BLOCK_M floats for cross-warp
+// row reductions. Portable 64x64 tiles, 2x4 warps: 231424 bytes; wgmma 64x64, 4x2 warps: 229888
+// (Hopper/B200 allow 232448 per block). sm_120 (99 KB per block) uses -DVA_BLOCK_M=32
+// -DVA_BLOCK_N=16 -DVA_WARPS_M=2 -DVA_WARPS_N=2: 75520 bytes.
 //
-// Preconditions (checked on the host): q, kv_cache, mask, out, lse contiguous; HEAD_DIM % 64 == 0;
-// V_DIM % (16 * WARPS_N) == 0; V_DIM <= HEAD_DIM. Caller data (prefix lengths, num_nodes, block
-// table entries) is validated by the check kernel: requests with skip[b] set get no writes, and
-// no address is ever formed from an unvalidated entry.
+// Preconditions (checked on the host): q, kv_cache, mask, out, lse contiguous, q/kv/out 16-byte
+// aligned; HEAD_DIM % 64 == 0; V_DIM % (16 * WARPS_N) == 0; V_DIM <= HEAD_DIM. Caller data
+// (prefix lengths, num_nodes, block-table entries) is validated by the check kernel: requests
+// with skip[b] set get no writes, and no address is formed from an unvalidated entry.
 //
 // Numerics: scores are scaled by sm_scale * log2(e) and exponentiated with ex2.approx; running
 // max/sum in fp32; P is rounded to bf16 for the second product (as FlashAttention does). Rows of
@@ -58,6 +64,12 @@
 #ifndef VA_WARPS_N
 #define VA_WARPS_N 4
 #endif
+// 1: Hopper path (compile for sm_90a only): S and O products on wgmma with shared-memory
+// descriptors instead of ldmatrix + mma.sync; needs VA_WARPS_M=4 VA_WARPS_N=2 VA_BLOCK_M=64
+// VA_BLOCK_N=64 (warpgroup wn owns keys wn*32.. of S and value dims wn*256.. of O).
+#ifndef VA_WGMMA
+#define VA_WGMMA 0
+#endif
 
 namespace {
 
@@ -76,7 +88,11 @@ constexpr int kWarpDims = kVDim / kWarpsN;    // value dims per warp in O
 constexpr int kDTiles = kWarpDims / 8;        // n8 tiles per warp in O
 constexpr int kChunks = kHeadDim / 8;         // 16-byte chunks per latent row
 constexpr int kRowBytes = kHeadDim * 2;
-constexpr int kPStride = kBlockN * 2 + 16;    // bytes per P row (padded: conflict-free ldmatrix)
+#if VA_WGMMA
+constexpr int kPStride = kBlockN * 2;  // one 128-byte swizzled row per query row
+#else
+constexpr int kPStride = kBlockN * 2 + 16;  // bytes per P row (padded: conflict-free ldmatrix)
+#endif
 constexpr int kLoadersPerRow = kThreads / kBlockN;
 constexpr int kQBytes = kBlockM * kRowBytes;
 constexpr int kKBytes = kBlockN * kRowBytes;
@@ -92,6 +108,10 @@ static_assert(kBlockN % 16 == 0, "VA_BLOCK_N must be a multiple of 16");
 static_assert(kWarpDims % 16 == 0, "VA_V_DIM / VA_WARPS_N must be a multiple of 16");
 static_assert(kThreads % kBlockN == 0 && kChunks % kLoadersPerRow == 0,
               "key-tile loaders must split rows evenly");
+#if VA_WGMMA
+static_assert(kBlockM == 64 && kBlockN == 64 && kWarpsM == 4 && kWarpsN == 2,
+              "VA_WGMMA needs 64 x 64 tiles and 4 x 2 warps (two warpgroups)");
+#endif
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   unsigned r;
@@ -99,9 +119,26 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return r;
 }
 
-// Byte offset of 16-byte chunk `chunk` of latent row `row` inside a swizzled tile.
+// Byte offset of 16-byte chunk `chunk` of latent row `row` in a tile of kRows rows, chunks
+// XOR-swizzled by row & 7 so that ldmatrix and wgmma read without bank conflicts. The wgmma path
+// stores the tile as HEAD_DIM / 64 column blocks of [kRows][128 bytes] (wgmma's 128-byte-swizzle
+// K-major layout); the portable path keeps whole rows contiguous (fewer address registers).
+template <int kRows>
 __device__ __forceinline__ int swz(int row, int chunk) {
+#if VA_WGMMA
+  return (chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+#else
   return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+#endif
+}
+
+// Byte offset of keys (key, key + 1) of query row `row` in the P tile.
+__device__ __forceinline__ int p_off(int row, int key) {
+#if VA_WGMMA
+  return row * 128 + ((((key >> 3) ^ (row & 7))) << 4) + (key & 7) * 2;
+#else
+  return row * kPStride + key * 2;
+#endif
 }
 
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
@@ -155,6 +192,72 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
+#if VA_WGMMA
+// Shared-memory matrix descriptor, 128-byte swizzle. K-major operands (Q, K, P): 8-row groups
+// 1024 bytes apart (stride offset), leading offset unused. N-major V: leading offset = next
+// 64-dim column block, stride offset = next 8 keys.
+__device__ __forceinline__ unsigned long long desc_sw128(unsigned addr, unsigned lead,
+                                                         unsigned stride) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) |
+         ((unsigned long long)(lead >> 4) << 16) | ((unsigned long long)(stride >> 4) << 32) |
+         (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Generic-proxy shared-memory writes (cp.async, st.shared) become visible to wgmma.
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_m64n32(float (&d)[16], unsigned long long desc_a,
+                                            unsigned long long desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, %16, %17, 1, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_m64n256(float (&d)[128], unsigned long long desc_a,
+                                            unsigned long long desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, %128, %129, 1, 1, 1, 0, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b));
+}
+#else
+__device__ __forceinline__ void fence_async_smem() {}
+#endif
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) ddtree_verify_attention_check(
@@ -207,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
     float* __restrict__ part_lse,           // [num_splits, batch_size, R] (splits > 1)
     int batch_size, int num_nodes_max, int num_heads, int mask_words, int page_size,
     int max_pages, float scale_log2, int num_splits) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];
   unsigned char* const sq = smem;
   unsigned char* const sk = smem + kQBytes;
   unsigned char* const sp = sk + 2 * kKBytes;
@@ -266,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
     const int c = i % kChunks;
     const bool in = row0 + r < rows;
     const unsigned short* src = q + (row_base + (in ? row0 + r : 0)) * kHeadDim + c * 8;
-    cp_async16(smem_addr(sq + swz(r, c)), src, in);
+    cp_async16(smem_addr(sq + swz<kBlockM>(r, c)), src, in);
   }
 
   // Key tile loader: each thread owns one key row of the tile and every kLoadersPerRow-th chunk.
@@ -284,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
     const unsigned dst = smem_addr(sk + stage * kKBytes);
 #pragma unroll
     for (int c = load_c0; c < kChunks; c += kLoadersPerRow) {
-      cp_async16(dst + swz(load_row, c), kv + off + c * 8, in);
+      cp_async16(dst + swz<kBlockN>(load_row, c), kv + off + c * 8, in);
     }
   };
 
@@ -313,12 +416,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
 
   for (int tile = t_begin; tile < t_end; ++tile) {
     const int stage = (tile - t_begin) & 1;
-    // Every warp is done with the previous tile: its buffer may be refilled.
+    // One barrier: this tile has landed for every thread, and every warp is done with the
+    // previous tile, whose buffer the prefetch below refills.
+    cp_async_wait<0>();
+    fence_async_smem();
     __syncthreads();
     if (tile + 1 < t_end) load_tile(tile + 1, stage ^ 1);
     cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
 
     const unsigned sk_addr = smem_addr(sk + stage * kKBytes);
 
@@ -331,25 +435,39 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
 
+#if VA_WGMMA
+    {
+      // Warpgroup wn: S[64 rows, keys wn*32..] over HEAD_DIM / 16 k-steps, both from shared.
+      float(&d)[16] = reinterpret_cast<float(&)[16]>(s[0]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const unsigned a = sq_addr + (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32;
+        const unsigned b = sk_addr + (kk >> 2) * (kBlockN * 128) + wn * 32 * 128 + (kk & 3) * 32;
+        wgmma_m64n32(d, desc_sw128(a, 16, 1024), desc_sw128(b, 16, 1024));
+      }
+      wgmma_commit_and_wait();
+    }
+#else
 #pragma unroll 4
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       unsigned a[kMTiles][4];
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
         const int r = wm * kWarpRows + mi * 16 + (lane & 15);
-        ldsm_x4(sq_addr + swz(r, kk * 2 + (lane >> 4)), a[mi][0], a[mi][1], a[mi][2], a[mi][3]);
+        ldsm_x4(sq_addr + swz<kBlockM>(r, kk * 2 + (lane >> 4)), a[mi][0], a[mi][1], a[mi][2], a[mi][3]);
       }
       unsigned bk[kNTiles][2];
 #pragma unroll
       for (int np = 0; np + 1 < kNTiles; np += 2) {
         const int m = lane >> 3;
         const int r = wn * kWarpKeys + (np + (m >> 1)) * 8 + (lane & 7);
-        ldsm_x4(sk_addr + swz(r, kk * 2 + (m & 1)), bk[np][0], bk[np][1], bk[np + 1][0],
+        ldsm_x4(sk_addr + swz<kBlockN>(r, kk * 2 + (m & 1)), bk[np][0], bk[np][1], bk[np + 1][0],
                 bk[np + 1][1]);
       }
       if constexpr (kNTiles % 2 == 1) {
         const int r = wn * kWarpKeys + (kNTiles - 1) * 8 + (lane & 7);
-        ldsm_x2(sk_addr + swz(r, kk * 2 + ((lane >> 3) & 1)), bk[kNTiles - 1][0],
+        ldsm_x2(sk_addr + swz<kBlockN>(r, kk * 2 + ((lane >> 3) & 1)), bk[kNTiles - 1][0],
                 bk[kNTiles - 1][1]);
       }
 #pragma unroll
@@ -357,6 +475,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
 #pragma unroll
         for (int ni = 0; ni < kNTiles; ++ni) mma_bf16(s[mi][ni], a[mi], bk[ni][0], bk[ni][1]);
     }
+
+#endif
 
     // Scale to the log2 domain; mask the tree tail and positions past the end.
     const int key0 = tile * kBlockN + wn * kWarpKeys;
@@ -401,6 +521,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
         if (tq == 0) red[wn * kBlockM + wm * kWarpRows + mi * 16 + g + 8 * h] = m;
       }
     __syncthreads();
+    float alpha[kMTiles][2];
+    bool rescale = false;
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -410,7 +532,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
 #pragma unroll
         for (int w = 0; w < kWarpsN; ++w) m_new = fmaxf(m_new, red[w * kBlockM + r]);
         const float base = m_new == neg_inf() ? 0.f : m_new;
-        const float alpha = fast_exp2(row_max[mi][h] - base);
+        alpha[mi][h] = fast_exp2(row_max[mi][h] - base);
+        rescale |= m_new != row_max[mi][h];
         row_max[mi][h] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -419,17 +542,40 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
           const float p1 = fast_exp2(s[mi][ni][2 * h + 1] - base);
           sum += p0 + p1;
           const int key = wn * kWarpKeys + ni * 8 + 2 * tq;
-          *reinterpret_cast<unsigned*>(sp + r * kPStride + key * 2) = pack_bf16(p0, p1);
+          *reinterpret_cast<unsigned*>(sp + p_off(r, key)) = pack_bf16(p0, p1);
         }
-        row_sum[mi][h] = row_sum[mi][h] * alpha + sum;
+        row_sum[mi][h] = row_sum[mi][h] * alpha[mi][h] + sum;
+      }
+    // Once the running maxima settle (most tiles), no row of the warp changes and the
+    // V_DIM / WARPS_N accumulators per row need no rescaling.
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
-          acc_o[mi][d][2 * h] *= alpha;
-          acc_o[mi][d][2 * h + 1] *= alpha;
+          acc_o[mi][d][0] *= alpha[mi][0];
+          acc_o[mi][d][1] *= alpha[mi][0];
+          acc_o[mi][d][2] *= alpha[mi][1];
+          acc_o[mi][d][3] *= alpha[mi][1];
         }
-      }
+    }
+    fence_async_smem();
     __syncthreads();
 
+#if VA_WGMMA
+    {
+      // Warpgroup wn: O[64 rows, dims wn*256..] += P[64, 64] V[64 keys, 256 dims].
+      float(&d)[128] = reinterpret_cast<float(&)[128]>(acc_o[0]);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const unsigned a = sp_addr + kk * 32;
+        const unsigned b = sk_addr + wn * 4 * (kBlockN * 128) + kk * 16 * 128;
+        wgmma_m64n256(d, desc_sw128(a, 16, 1024), desc_sw128(b, kBlockN * 128, 1024));
+      }
+      wgmma_commit_and_wait();
+    }
+#else
     // O += P V for rows wm*WM.., value dims wn*WD..
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -437,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
         const int r = wm * kWarpRows + mi * 16 + (lane & 15);
-        ldsm_x4(sp_addr + r * kPStride + (kk * 16 + (lane >> 4) * 8) * 2, a[mi][0], a[mi][1],
+        ldsm_x4(sp_addr + p_off(r, kk * 16 + (lane >> 4) * 8), a[mi][0], a[mi][1],
                 a[mi][2], a[mi][3]);
       }
 #pragma unroll
@@ -446,7 +592,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
         const int key = kk * 16 + (m & 1) * 8 + (lane & 7);
         const int chunk = (wn * kWarpDims + dp * 8) / 8 + (m >> 1);
         unsigned b0, b1, b2, b3;
-        ldsm_x4_t(sk_addr + swz(key, chunk), b0, b1, b2, b3);
+        ldsm_x4_t(sk_addr + swz<kBlockN>(key, chunk), b0, b1, b2, b3);
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi) {
           mma_bf16(acc_o[mi][dp], a[mi], b0, b1);
@@ -454,6 +600,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
         }
       }
     }
+#endif
   }
 
   // Row sums across the WARPS_N warps (all warps passed the last tile's barriers after their

@@ -10,7 +10,7 @@ import torch
 from helpers.assertions import assert_close
 from helpers.generators import paged_cache, random_tree
 
-from ddtree.kernels import attention_cuda, reference
+from ddtree.kernels import attention_cuda, checks, reference
 from ddtree.kernels.types import ErrorFlag, Tree
 
 HEAD_DIM = 576
@@ -58,6 +58,11 @@ def test_tile_configs() -> None:
     small = attention_cuda.tile_config(HEAD_DIM, V_DIM, SM120["max_shared_mem_bytes"])
     assert (small.block_m, small.block_n, small.threads) == (32, 16, 128)
     assert small.shared_mem_bytes <= SM120["max_shared_mem_bytes"]
+    hopper = attention_cuda.tile_config(HEAD_DIM, V_DIM, 232448, use_wgmma=True)
+    assert hopper.wgmma and hopper.arch == "sm_90a" and hopper.shared_mem_bytes <= 232448
+    assert hopper.defines()["VA_WGMMA"] == 1 and big.defines()["VA_WGMMA"] == 0
+    narrow = attention_cuda.tile_config(HEAD_DIM, 256, 232448, use_wgmma=True)
+    assert not narrow.wgmma  # the wgmma variant is built for v_dim 512 only
 
 
 @pytest.mark.parametrize(("head_dim", "v_dim"), [(576, 500), (100, 64), (576, 640), (128, 192)])
@@ -140,6 +145,7 @@ def _check_against_reference(
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference(name: str) -> None:
+    """The public CUDA op (the wgmma variant on Hopper) on poisoned outputs."""
     case = CASES[name]
     device = torch.device("cuda")
     q, kv_cache, block_table, prefix_lens, tree = _inputs(case, device)
@@ -165,23 +171,31 @@ def test_matches_reference(name: str) -> None:
     _check_against_reference(out, lse, ref_out, ref_lse)
 
 
+def _variants() -> list[tuple[str, dict[str, int], bool]]:
+    """(id, device limits, use_wgmma) of every variant this GPU can run."""
+    _, max_smem = attention_cuda._device_limits(torch.cuda.current_device())
+    found = [("sm120-tiles", SM120, False), ("mma-sync", H200, False)]
+    if attention_cuda.has_wgmma(torch.cuda.current_device()):
+        found.append(("wgmma", H200, True))
+    return [v for v in found if v[1]["max_shared_mem_bytes"] <= max_smem]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "name", ["h8-n17-page16-chain", "h16-n65-page64-mixed", "h8-n1025-page64-random"]
 )
 @pytest.mark.parametrize("splits", [1, 3, 7])
-def test_small_tiles_and_forced_splits(name: str, splits: int) -> None:
-    """The sm_120 tile variant and fixed split counts, run here on whatever GPU is present."""
+def test_every_variant_and_forced_splits(name: str, splits: int) -> None:
+    """Every kernel variant this GPU can run (the sm_120 tiles too) at fixed split counts."""
     case = CASES[name]
     device = torch.device("cuda")
     q, kv_cache, block_table, prefix_lens, tree = _inputs(case, device)
     ref_out, ref_lse = reference.verify_attention(
         q, kv_cache, block_table, prefix_lens, tree, v_dim=V_DIM
     )
-    _, max_smem = attention_cuda._device_limits(torch.cuda.current_device())
-    for limits in (SM120, H200):
-        if limits["max_shared_mem_bytes"] > max_smem:
-            continue
+    variants = _variants()
+    assert variants, "no kernel variant fits this GPU"
+    for variant, limits, use_wgmma in variants:
         plan = attention_cuda.plan_launch(
             case.batch_size,
             case.num_nodes_max,
@@ -191,6 +205,7 @@ def test_small_tiles_and_forced_splits(name: str, splits: int) -> None:
             1,
             **limits,
             num_splits=splits,
+            use_wgmma=use_wgmma,
         )
         out, lse = _poisoned(case, device)
         flags = torch.zeros(case.batch_size, dtype=torch.int32, device=device)
@@ -206,7 +221,10 @@ def test_small_tiles_and_forced_splits(name: str, splits: int) -> None:
             lse,
             flags,
         )
-        _check_against_reference(out, lse, ref_out, ref_lse)
+        try:
+            _check_against_reference(out, lse, ref_out, ref_lse)
+        except AssertionError as err:
+            raise AssertionError(f"variant {variant}: {err}") from err
 
 
 def _corrupt(
@@ -248,7 +266,14 @@ def test_bad_request_is_flagged_and_untouched(kind: str) -> None:
     attention_cuda.verify_attention(
         q, kv_cache, bad_table, bad_prefix, bad_tree, out=out, lse=lse, error_flags=flags
     )
-    assert flags.tolist() == [0, int(flag), int(ErrorFlag.TOKEN)]
+    # The bits are exactly the specification's (checks.attention_flags); a prefix past the
+    # table's end also reads its -1 spare column, so it carries BLOCK_TABLE besides LENGTH.
+    expected = checks.attention_flags(
+        bad_table, bad_prefix, bad_tree, kv_cache.shape[0], kv_cache.shape[1]
+    )
+    expected[2] |= int(ErrorFlag.TOKEN)
+    assert flags.tolist() == expected.tolist()
+    assert int(flags[1]) & int(flag) and int(flags[0]) == 0
     assert bool(out[1:].isnan().all()) and bool(lse[1:].isnan().all())
     ref_out, ref_lse = reference.verify_attention(
         q[:1], kv_cache, block_table[:1], prefix_lens[:1], _first(tree)
