@@ -155,6 +155,35 @@ def timed(fn: Callable[[int], object], budget_ms: float = 150.0) -> float:
     return median_ms(fn, calls, reps, 2)
 
 
+def graph_ms(fn: Callable[[int], object], num_sets: int, replays: int = 20) -> float:
+    """Median device milliseconds per call from CUDA-graph replays (no CPU launch overhead)."""
+    calls = max(num_sets, 8)
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(calls):
+            fn(i)  # warm the allocator on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(calls):
+                fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def matmul_floor_tflops() -> float:
     n = 8192
     sets = [
@@ -309,6 +338,13 @@ def bench_shape(shape: tuple[int, int, int, int], sweep: bool) -> dict[str, obje
             continue
         result[f"{name}_ms"] = ms
         result[f"{name}_tflops"] = work / (ms * 1e-3) / 1e12
+    # Last: a failed capture must not disturb the other measurements.
+    try:
+        ms = graph_ms(ours_with(plan), num_sets)
+        result["ddtree_graph_ms"] = ms
+        result["ddtree_graph_tflops"] = work / (ms * 1e-3) / 1e12
+    except RuntimeError as err:
+        result["ddtree_graph_error"] = str(err).splitlines()[0]
     return result
 
 
@@ -361,14 +397,22 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"{today}-{gpu_slug}-attention.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
 
-    header = f"{'B,H,N,prefix':>20} {'ddtree':>8} {'sdpa_r':>8} {'sdpa_h':>8} {'eager':>8} "
+    header = f"{'B,H,N,prefix':>20} {'ddtree':>8} {'graph':>8} {'mma.sync':>8} {'sdpa_r':>8} "
+    header += f"{'sdpa_h':>8} {'eager':>8} "
     header += f"{'x sdpa':>7} {'splits':>6} {'err':>8}"
     lines = [f"floor (bf16 matmul): {floor:.0f} TFLOP/s on {props.name}", header]
     for r in results:
         shape = f"{r['batch_size']},{r['num_heads']},{r['num_nodes']},{r['prefix_len']}"
         cells = [
             f"{float(r.get(k, float('nan'))):8.1f}"
-            for k in ("ddtree_tflops", "sdpa_rows_tflops", "sdpa_heads_tflops", "eager_tflops")
+            for k in (
+                "ddtree_tflops",
+                "ddtree_graph_tflops",
+                "ddtree_mma_sync_tflops",
+                "sdpa_rows_tflops",
+                "sdpa_heads_tflops",
+                "eager_tflops",
+            )
         ]
         ratio = r["ratio_vs_best_sdpa"]
         lines.append(
