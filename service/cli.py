@@ -76,7 +76,8 @@ def _run_demo(argv: list[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ddtree`` command; returns the process exit code.
 
-    Exit codes: 0 success, 1 the server could not start, 2 bad arguments.
+    Exit codes: 0 success, 1 the server could not start, 2 bad arguments, 3 the device failed
+    while serving (restart the process).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "demo":

@@ -44,6 +44,7 @@ from ddtree.service.calls import (
 )
 from ddtree.service.errors import (
     DeadlineExceeded,
+    Internal,
     InvalidAcceptance,
     InvalidArgument,
     InvalidBlockTable,
@@ -254,6 +255,7 @@ class Engine:
         self._state_lock = threading.Lock()
         self._is_ready = False
         self._is_closed = False
+        self._poisoned_by: str | None = None
         self._info = EngineInfo(
             version=ddtree.__version__,
             devices=(_device_info(self.device, self.backend),),
@@ -270,6 +272,11 @@ class Engine:
     def is_ready(self) -> bool:
         """Whether warm-up finished and the engine is not closed."""
         return self._is_ready and not self._is_closed
+
+    @property
+    def is_poisoned(self) -> bool:
+        """Whether a device error left the CUDA context unusable (the process must restart)."""
+        return self._poisoned_by is not None
 
     def info(self) -> EngineInfo:
         """Version, devices and limits of this engine."""
@@ -411,7 +418,7 @@ class Engine:
     # ------------------------------------------------------------------ internals
 
     def _check_state(self) -> None:
-        if self._is_closed:
+        if self._is_closed or self._poisoned_by is not None:
             raise ShuttingDown("engine: shutting down, send the call to another replica")
         if not self._is_ready:
             raise WarmingUp("engine: kernels are warming up, retry shortly")
@@ -420,11 +427,20 @@ class Engine:
         def run() -> _T:
             if deadline_s is not None and time.monotonic() > deadline_s:
                 raise DeadlineExceeded("deadline passed while the call waited for the device")
+            if self._poisoned_by is not None:
+                raise ShuttingDown("engine: the device failed earlier, the server is restarting")
             try:
                 with self._on_stream():
                     return work()
             except torch.OutOfMemoryError as err:
                 raise OutOfMemory(f"device {self.device} is out of memory: {err}") from err
+            except torch.AcceleratorError as err:
+                # A device error is sticky: the CUDA context is unusable from here on.
+                self._poisoned_by = str(err)
+                _log.error("event=device_failed device=%s error=%s", self.device, err)
+                raise Internal(
+                    f"device {self.device} failed; this server instance stops serving"
+                ) from err
 
         try:
             return self._worker.submit(run)

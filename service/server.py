@@ -58,6 +58,7 @@ ERROR_DOMAIN = "ddtree.v1"
 """``google.rpc.ErrorInfo.domain`` of every ddtree error."""
 
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+_EXIT_DEVICE_FAILED = 3
 
 
 class CallObserver(Protocol):
@@ -124,15 +125,24 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         Calls of the service handled at once; one more gets RESOURCE_EXHAUSTED (``OVERLOADED``).
     call_observer : CallObserver, optional
         Told when each call starts and ends (metrics).
+    on_failure : callable, optional
+        Called after every failed call (the server checks there for a poisoned device).
 
     Notes
     -----
     Health and reflection calls pass through untouched and do not count against the limit.
     """
 
-    def __init__(self, *, max_concurrent_calls: int, call_observer: CallObserver | None = None):
+    def __init__(
+        self,
+        *,
+        max_concurrent_calls: int,
+        call_observer: CallObserver | None = None,
+        on_failure: Callable[[], Awaitable[None]] | None = None,
+    ):
         self._max_concurrent_calls = max_concurrent_calls
         self._observer = call_observer
+        self._on_failure = on_failure
         self._in_flight = 0
 
     @property
@@ -204,6 +214,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     request_id,
                 )
             finally:
+                if code != "OK" and self._on_failure is not None:
+                    await self._on_failure()
                 if self._observer is not None:
                     self._observer.rpc_finished(
                         SERVICE_NAME, method, code, time.perf_counter() - started
@@ -242,7 +254,15 @@ class Server:
         self.grpc_server = grpc_server
         self.health = health_servicer
         self.addresses = addresses
+        self.failed = asyncio.Event()
+        """Set when the engine's device failed; ``serve`` then drains and exits non-zero."""
         self._stopped = False
+
+    async def check_engine(self) -> None:
+        """After a failed call: if the device is poisoned, report NOT_SERVING and set ``failed``."""
+        if self.engine.is_poisoned and not self.failed.is_set():
+            self.failed.set()
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -337,8 +357,11 @@ def create_server(
         engine = Engine(
             device=config.device, backend=config.backend, limits=limits, observer=engine_observer
         )
+    servers: list[Server] = []
     error_interceptor = ErrorMappingInterceptor(
-        max_concurrent_calls=config.max_concurrent_calls, call_observer=call_observer
+        max_concurrent_calls=config.max_concurrent_calls,
+        call_observer=call_observer,
+        on_failure=lambda: servers[0].check_engine(),
     )
     grpc_server = grpc.aio.server(
         interceptors=[*interceptors, error_interceptor],
@@ -365,7 +388,9 @@ def create_server(
             addresses.append(f"{host}:{port}")
         else:
             addresses.append(address)
-    return Server(config, engine, grpc_server, health_servicer, addresses), addresses
+    server = Server(config, engine, grpc_server, health_servicer, addresses)
+    servers.append(server)
+    return server, addresses
 
 
 async def _serve(config: ServiceConfig) -> int:
@@ -398,20 +423,30 @@ async def _serve(config: ServiceConfig) -> int:
         _log.exception("event=warm_up_failed")
         await server.stop(0)
         return 1
-    await stop_requested.wait()
-    _log.info("event=signal_received")
+    signalled = asyncio.create_task(stop_requested.wait())
+    failed = asyncio.create_task(server.failed.wait())
+    await asyncio.wait((signalled, failed), return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    failed.cancel()
+    exit_code = 0
+    if server.failed.is_set():
+        exit_code = _EXIT_DEVICE_FAILED
+        _log.error("event=device_failed_exiting exit_code=%d", exit_code)
+    else:
+        _log.info("event=signal_received")
     await server.stop()
     if metrics_http is not None:
         metrics_http.shutdown()
         metrics_http.server_close()
-    return 0
+    return exit_code
 
 
 def serve(config: ServiceConfig) -> int:
     """Run a server for ``config`` until SIGTERM or SIGINT, then drain; returns the exit code.
 
     Exit codes: 0 after a clean drain, 1 when the server could not start (bind, device or
-    warm-up failure; the log says why).
+    warm-up failure; the log says why), 3 after a device failure poisoned the CUDA context
+    (health turns NOT_SERVING first, so the orchestrator restarts the process).
     """
     logging.basicConfig(
         level=config.log_level,

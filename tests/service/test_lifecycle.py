@@ -43,12 +43,13 @@ class Gate:
         self.release = threading.Event()
         self.launches: list[str] = []
         self.fail_op: str | None = None
+        self.failure: Exception = RuntimeError("secret internal detail")
 
     @contextlib.contextmanager
     def time_op(self, op: str, device: torch.device) -> Iterator[None]:
         self.launches.append(op)
         if op == self.fail_op:
-            raise RuntimeError("secret internal detail")
+            raise self.failure
         if op == "build_tree":
             self.entered.set()
             assert self.release.wait(30), "test never released the gate"
@@ -221,6 +222,29 @@ def test_unexpected_error_is_internal_with_request_id_only(
             assert error.request_id and error.request_id in error.message
             assert "secret" not in error.message
             assert torch.equal(build(client, step), step.tree.tokens)
+    finally:
+        thread.stop()
+
+
+def test_device_failure_turns_health_not_serving_and_refuses_calls(
+    tmp_path: Path, step: Step, gate: Gate
+) -> None:
+    gate.fail_op = "accept"
+    gate.failure = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    gate.release.set()
+    thread = start(tmp_path, engine_observer=gate)
+    try:
+        with Client(thread.addresses[0], retry=NO_RETRY) as client:
+            assert client.health() == "SERVING"
+            with pytest.raises(InternalError) as raised:
+                client.accept_tree(step.tree, step.target_tokens)
+            assert "illegal" not in raised.value.message
+            assert client.health() == client.health(SERVICE_NAME) == "NOT_SERVING"
+            server = thread.server
+            assert server is not None and server.failed.is_set()
+            with pytest.raises(UnavailableError) as refused:
+                build(client, step)
+            assert refused.value.reason == "SHUTTING_DOWN"
     finally:
         thread.stop()
 
