@@ -120,12 +120,14 @@ def _bench_batch(batch_size: int, budgets: list[int], floor_bw: float, quick: bo
         for _ in range(buffers)
     ]
     roots = torch.zeros(batch_size, dtype=torch.int64, device="cuda")
+    # With error_flags the op never synchronises, so it can be captured in a CUDA graph.
+    flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
     rows = []
     for budget in budgets:
         iters = 10 if quick else 30
 
         def ours(i: int, budget: int = budget) -> object:
-            return tree_cuda.build_tree(logits[i % buffers], roots, budget)
+            return tree_cuda.build_tree(logits[i % buffers], roots, budget, error_flags=flags)
 
         def torch_topk(i: int, budget: int = budget) -> object:
             return _torch_topk(logits[i % buffers], budget)
@@ -273,6 +275,7 @@ def main() -> None:
         "gpu": name,
         "torch": torch.__version__,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "quick": args.quick,
         "shape": {"draft_len": DRAFT_LEN, "vocab_size": VOCAB, "dtype": "bf16"},
         "build_tree": build,
         "accept_commit_kv": accept_commit,
@@ -287,8 +290,14 @@ def main() -> None:
     print(json.dumps(accept_commit))
 
 
-def _check_against_reference() -> bool:
-    """The benchmarked kernels agree with the reference on one benchmark-sized input."""
+def _check_against_reference() -> dict:
+    """How the benchmarked kernels agree with the reference on one benchmark-sized input.
+
+    ``exact_order``: identical tokens and parents. bf16 logits tie massively (many tokens share
+    a logit), and a last-bit difference of a row's log-sum-exp may then reorder equal-score
+    nodes, so the second check is the contract's: the same sorted node log-probabilities
+    within 1e-5 (a tree of the same total probability).
+    """
     gen = torch.Generator(device="cuda").manual_seed(99)
     logits = (torch.randn(32, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * 3).to(
         torch.bfloat16
@@ -296,7 +305,19 @@ def _check_against_reference() -> bool:
     roots = torch.zeros(32, dtype=torch.int64, device="cuda")
     ours = tree_cuda.build_tree(logits, roots, 64)
     ref = reference.build_tree(logits, roots, 64)
-    return bool(torch.equal(ours.tokens, ref.tokens) and torch.equal(ours.parents, ref.parents))
+    got = ours.log_probs.sort(dim=1, descending=True).values
+    want = ref.log_probs.sort(dim=1, descending=True).values
+    finite = torch.isfinite(want)
+    same_scores = bool(
+        torch.equal(finite, torch.isfinite(got))
+        and torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    )
+    return {
+        "exact_order": bool(
+            torch.equal(ours.tokens, ref.tokens) and torch.equal(ours.parents, ref.parents)
+        ),
+        "same_sorted_log_probs": same_scores,
+    }
 
 
 if __name__ == "__main__":
