@@ -14,17 +14,22 @@ from typing import ClassVar
 __all__ = [
     "DDTreeError",
     "DeadlineExceeded",
+    "DeviceMismatch",
     "EventHandlesUnsupported",
     "FailedPrecondition",
     "Internal",
     "InvalidAcceptance",
     "InvalidArgument",
     "InvalidBlockTable",
+    "InvalidIpcHandle",
     "InvalidLength",
     "InvalidModelLabel",
+    "InvalidReference",
     "InvalidTensor",
     "InvalidToken",
     "InvalidTree",
+    "IpcOpenFailed",
+    "MemoryLimitExceeded",
     "MemoryReferencesUnsupported",
     "MemoryRegistrationUnsupported",
     "MemoryTokenNotFound",
@@ -149,6 +154,18 @@ class InvalidAcceptance(InvalidArgument):
     reason = "INVALID_ACCEPTANCE"
 
 
+class InvalidReference(InvalidArgument):
+    """A tensor reference lies outside its region, overflows, or is misaligned for its dtype."""
+
+    reason = "INVALID_REFERENCE"
+
+
+class InvalidIpcHandle(InvalidArgument):
+    """A CUDA IPC handle is not 64 bytes, or ``byte_size`` does not fit the allocation."""
+
+    reason = "INVALID_IPC_HANDLE"
+
+
 class NotFound(DDTreeError, LookupError):
     """A named resource does not exist."""
 
@@ -187,6 +204,18 @@ class EventHandlesUnsupported(FailedPrecondition):
     reason = "EVENT_HANDLES_UNSUPPORTED"
 
 
+class IpcOpenFailed(FailedPrecondition):
+    """The driver cannot open a CUDA IPC handle (closed, foreign, other node, no hostIPC)."""
+
+    reason = "IPC_OPEN_FAILED"
+
+
+class DeviceMismatch(FailedPrecondition):
+    """Memory on another GPU than the server's (devices are named by UUID)."""
+
+    reason = "DEVICE_MISMATCH"
+
+
 class ResourceExhausted(DDTreeError, RuntimeError):
     """A server limit or device memory is exhausted; retrying later may succeed."""
 
@@ -199,6 +228,13 @@ class Overloaded(ResourceExhausted):
     """More concurrent calls than ``max_concurrent_calls``."""
 
     reason = "OVERLOADED"
+
+
+class MemoryLimitExceeded(ResourceExhausted):
+    """Registering would pass the server's region-count or byte limit."""
+
+    reason = "MEMORY_LIMIT_EXCEEDED"
+    default_retry_after_s = None
 
 
 class OutOfMemory(ResourceExhausted, MemoryError):
