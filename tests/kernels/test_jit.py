@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ddtree.kernels import jit
+from ddtree.kernels import jit, tree_cuda
 
 needs_nvrtc = pytest.mark.skipif(
     not jit.is_available(),
@@ -143,3 +143,42 @@ def test_launch_params_validate() -> None:
         jit.LaunchParams((0, 1, 1), (32, 1, 1))
     with pytest.raises(ValueError, match="65535"):
         jit.LaunchParams((1, 70000, 1), (32, 1, 1))
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "draft_len", "vocab_size", "max_budget"),
+    [(1, 1, 8, 1), (32, 16, 163840, 64), (3, 15, 32000, 300), (64, 32, 163840, 1024)],
+)
+def test_build_tree_plan_covers_the_vocabulary(
+    batch_size: int, draft_len: int, vocab_size: int, max_budget: int
+) -> None:
+    plan = tree_cuda.build_tree_plan(batch_size, draft_len, vocab_size, max_budget)
+    assert plan.top_k == min(max_budget, vocab_size)
+    assert plan.chunk_size == 256 * plan.elems_per_thread
+    assert plan.num_chunks * plan.chunk_size >= vocab_size > (plan.num_chunks - 1) * plan.chunk_size
+    assert plan.keep == min(plan.top_k, plan.chunk_size)
+    assert plan.sort_size >= plan.top_k and plan.sort_size & (plan.sort_size - 1) == 0
+    assert plan.partial.grid == (plan.num_chunks, batch_size * draft_len, 1)
+    assert plan.merge.grid == (batch_size * draft_len, 1, 1)
+    assert plan.select.grid == (batch_size, 1, 1)
+    assert plan.select.block[0] % 32 == 0 and plan.select.block[0] >= max_budget
+    assert plan.merge.shared_mem_bytes == (plan.num_chunks * plan.keep + plan.sort_size) * 8
+    # The nominated threshold needs K <= 256 * top_m (at equality every entry is a candidate).
+    assert plan.keep <= 256 * plan.top_m
+
+
+def test_build_tree_plan_rejects_what_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="vocab_size"):
+        tree_cuda.build_tree_plan(1, 1, 4_000_000, 1024)
+    with pytest.raises(ValueError, match="65535"):
+        tree_cuda.build_tree_plan(4096, 32, 1000, 16)
+
+
+def test_accept_and_commit_launch_params() -> None:
+    assert tree_cuda.accept_launch_params(7, reads_logits=False).grid == (7, 1, 1)
+    assert tree_cuda.accept_launch_params(7, reads_logits=True).block == (1024, 1, 1)
+    params = tree_cuda.commit_kv_launch_params(5, 576 * 2)
+    assert params.grid == (5, 2, 1)  # 72 16-byte columns in slices of 64
+    assert tree_cuda.commit_kv_launch_params(5, 16).grid == (5, 1, 1)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tree_cuda.commit_kv_launch_params(5, 72 * 2 + 2)
