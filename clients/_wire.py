@@ -22,7 +22,7 @@ from ddtree.v1 import tree_speculation_service_pb2 as pb
 if sys.byteorder != "little":  # inline tensors are little-endian; torch uses host order
     raise ImportError("ddtree.clients needs a little-endian host")
 
-_TO_WIRE: dict[torch.dtype, int] = {
+_TO_WIRE: dict[torch.dtype, tensor_pb2.DType] = {
     torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
     torch.float16: tensor_pb2.DTYPE_FLOAT16,
     torch.float32: tensor_pb2.DTYPE_FLOAT32,
@@ -30,7 +30,7 @@ _TO_WIRE: dict[torch.dtype, int] = {
     torch.int64: tensor_pb2.DTYPE_INT64,
     torch.uint8: tensor_pb2.DTYPE_UINT8,
 }
-_FROM_WIRE: dict[int, torch.dtype] = {v: k for k, v in _TO_WIRE.items()}
+_FROM_WIRE: dict[int, torch.dtype] = {int(v): k for k, v in _TO_WIRE.items()}
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 

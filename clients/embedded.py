@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["EmbeddedClient"]
 
 _T = TypeVar("_T")
+_C = TypeVar("_C")
 
 
 class EmbeddedClient:
@@ -75,13 +77,18 @@ class EmbeddedClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, submit: Any, make_call: Any, timeout_s: float | None) -> Any:
+    def _run(
+        self,
+        submit: Callable[[_C], concurrent.futures.Future[_T]],
+        make_call: Callable[[float], _C],
+        timeout_s: float | None,
+    ) -> _T:
         from ddtree.service.errors import DDTreeError
 
         budget_s = timeout_s or self.default_timeout_s
         deadline_s = time.monotonic() + budget_s
         try:
-            future: concurrent.futures.Future[Any] = submit(make_call(deadline_s))
+            future = submit(make_call(deadline_s))
             return future.result(timeout=budget_s)
         except concurrent.futures.TimeoutError:
             future.cancel()
@@ -195,8 +202,9 @@ class EmbeddedClient:
             ),
             timeout_s,
         )
-        if kv_commit is not None and result.kv_cache is not kv_commit.kv_cache:
-            kv_commit.kv_cache.copy_(result.kv_cache)
+        compacted = result.kv_cache
+        if kv_commit is not None and compacted is not None and compacted is not kv_commit.kv_cache:
+            kv_commit.kv_cache.copy_(compacted)
         return result.acceptance
 
     def verify_attention(

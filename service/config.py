@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -274,7 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_PARSERS = {
+_PARSERS: dict[str, Callable[[str], object]] = {
     "listen": lambda v: tuple(a.strip() for a in v.split(",") if a.strip()),
     "max_message_bytes": int,
     "max_tensor_bytes": int,

@@ -53,7 +53,7 @@ __all__ = [
 if sys.byteorder != "little":  # inline tensors are little-endian; torch uses host order
     raise ImportError("ddtree.service.convert needs a little-endian host")
 
-DTYPE_TO_TORCH: dict[int, torch.dtype] = {
+DTYPE_TO_TORCH: dict[tensor_pb2.DType, torch.dtype] = {
     tensor_pb2.DTYPE_BFLOAT16: torch.bfloat16,
     tensor_pb2.DTYPE_FLOAT16: torch.float16,
     tensor_pb2.DTYPE_FLOAT32: torch.float32,
@@ -63,7 +63,7 @@ DTYPE_TO_TORCH: dict[int, torch.dtype] = {
 }
 """Wire dtype enum value -> torch dtype."""
 
-TORCH_TO_DTYPE: dict[torch.dtype, int] = {v: k for k, v in DTYPE_TO_TORCH.items()}
+TORCH_TO_DTYPE: dict[torch.dtype, tensor_pb2.DType] = {v: k for k, v in DTYPE_TO_TORCH.items()}
 """torch dtype -> wire dtype enum value."""
 
 
@@ -166,7 +166,7 @@ class TensorResolver:
 
 def _dtype_name(value: int) -> str:
     try:
-        return tensor_pb2.DType.Name(value)
+        return str(tensor_pb2.DType.Name(value))
     except ValueError:
         return f"unknown dtype {value}"
 
