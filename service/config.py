@@ -20,6 +20,9 @@ environment variable               flag                         default
 ``DDTREE_DISABLE_JIT``             ``--disable-jit``            off
 ``DDTREE_METRICS_PORT``            ``--metrics-port``           off
 ``DDTREE_METRICS_HOST``            ``--metrics-host``           ``127.0.0.1``
+``DDTREE_MAX_REGISTERED_REGIONS``  ``--max-registered-regions``  1024
+``DDTREE_MAX_REGISTERED_BYTES``    ``--max-registered-bytes``   1 TiB
+``DDTREE_MEMORY_IDLE_TIMEOUT_S``   ``--memory-idle-timeout-s``  600
 =================================  ===========================  ===============================
 """
 
@@ -80,6 +83,13 @@ class ServiceConfig:
     metrics_host : str
         Address the Prometheus endpoint binds: ``127.0.0.1`` (loopback) or ``0.0.0.0`` (every
         interface, as in a pod).
+    max_registered_regions : int
+        Caller memory regions registered at once (RegisterMemory), ``>= 1``.
+    max_registered_bytes : int
+        Sum of the registered regions' bytes, ``>= 1``.
+    memory_idle_timeout_s : float
+        A registered region no call used for this long expires (releases the mapping of
+        callers that exited without unregistering), ``> 0``.
     """
 
     listen: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -96,6 +106,9 @@ class ServiceConfig:
     disable_jit: bool = False
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    max_registered_regions: int = 1024
+    max_registered_bytes: int = 1 << 40
+    memory_idle_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -107,7 +120,13 @@ class ServiceConfig:
                 f"max_message_bytes: expected {_MIB}..{_GRPC_MAX_MESSAGE_BYTES}, "
                 f"got {self.max_message_bytes}"
             )
-        for name in ("max_tensor_bytes", "max_batch_size", "max_concurrent_calls"):
+        for name in (
+            "max_tensor_bytes",
+            "max_batch_size",
+            "max_concurrent_calls",
+            "max_registered_regions",
+            "max_registered_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
         if not self.grace_s >= 0:
@@ -124,6 +143,10 @@ class ServiceConfig:
             raise ValueError(f"log_level: expected one of {_LOG_LEVELS}, got {self.log_level!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: expected 0..65535, got {self.metrics_port}")
+        if not self.memory_idle_timeout_s > 0:
+            raise ValueError(
+                f"memory_idle_timeout_s: expected > 0, got {self.memory_idle_timeout_s}"
+            )
         if not self.metrics_host:
             raise ValueError("metrics_host: expected an address such as 127.0.0.1, got ''")
 
@@ -243,6 +266,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="address the metrics port binds, e.g. 0.0.0.0 in a pod "
         f"[env DDTREE_METRICS_HOST; default {d.metrics_host}]",
     )
+    memory = parser.add_argument_group("registered memory (CUDA IPC)")
+    memory.add_argument(
+        "--max-registered-regions",
+        type=int,
+        metavar="N",
+        help="caller memory regions registered at once "
+        f"[env DDTREE_MAX_REGISTERED_REGIONS; default {d.max_registered_regions}]",
+    )
+    memory.add_argument(
+        "--max-registered-bytes",
+        type=int,
+        metavar="N",
+        help="sum of registered regions' bytes "
+        f"[env DDTREE_MAX_REGISTERED_BYTES; default {d.max_registered_bytes}]",
+    )
+    memory.add_argument(
+        "--memory-idle-timeout-s",
+        type=float,
+        metavar="S",
+        help="a registered region unused this long expires "
+        f"[env DDTREE_MEMORY_IDLE_TIMEOUT_S; default {d.memory_idle_timeout_s:g}]",
+    )
     compute = parser.add_argument_group("compute")
     compute.add_argument(
         "--device",
@@ -289,6 +334,9 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "disable_jit": _env_bool,
     "metrics_port": int,
     "metrics_host": str,
+    "max_registered_regions": int,
+    "max_registered_bytes": int,
+    "memory_idle_timeout_s": float,
 }
 
 
