@@ -10,7 +10,7 @@ import torch
 from helpers.assertions import assert_close
 from helpers.generators import paged_cache, random_tree
 
-from ddtree.kernels import attention_cuda, checks, reference
+from ddtree.kernels import attention_cuda, checks, jit, reference
 from ddtree.kernels.types import ErrorFlag, Tree
 
 HEAD_DIM = 576
@@ -69,6 +69,29 @@ def test_tile_configs() -> None:
 def test_tile_config_rejects_unsupported_widths(head_dim: int, v_dim: int) -> None:
     with pytest.raises(ValueError, match="backend='reference'"):
         attention_cuda.tile_config(head_dim, v_dim, H200["max_shared_mem_bytes"])
+
+
+@pytest.mark.skipif(not jit.is_available(), reason="cuda-python with NVRTC is not installed")
+@pytest.mark.parametrize(
+    ("arch", "limits", "use_wgmma"),
+    [("sm_90a", H200, True), ("sm_100", H200, False), ("sm_120", SM120, False)],
+    ids=["wgmma-sm_90a", "mma-sync-sm_100", "small-tiles-sm_120"],
+)
+def test_selected_variant_compiles(
+    arch: str, limits: dict[str, int], use_wgmma: bool, tmp_path
+) -> None:
+    """The variant each device family selects compiles with NVRTC (no GPU needed)."""
+    config = attention_cuda.tile_config(
+        HEAD_DIM, V_DIM, limits["max_shared_mem_bytes"], use_wgmma=use_wgmma
+    )
+    assert config.wgmma == use_wgmma
+    cubin, _ = jit.compile_cubin(
+        "verify_attention.cu",
+        config.arch or arch,
+        config.defines(),
+        cache=jit.KernelCache(tmp_path),
+    )
+    assert cubin.startswith(b"\x7fELF")
 
 
 # ----------------------------------------------------------------------------- on the GPU
