@@ -533,6 +533,15 @@ def _result_name(err: BaseException) -> str:
     return match.group(0) if match else "UNKNOWN"
 
 
+def _device_index(device: torch.device | int | None) -> int:
+    """Ordinal of a CUDA device given as an index, a ``torch.device`` or ``None`` (current)."""
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def device_arch(device: torch.device | int | None = None) -> str:
     """Target architecture of a CUDA device, e.g. ``"sm_90"`` for an H100/H200.
 
@@ -546,7 +555,7 @@ def device_arch(device: torch.device | int | None = None) -> str:
     str
         ``"sm_<major><minor>"``.
     """
-    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+    index = _device_index(device)
     major, minor = torch.cuda.get_device_capability(index)
     return f"sm_{major}{minor}"
 
@@ -624,7 +633,7 @@ def get_kernel(
     CudaError
         The compiled module does not load.
     """
-    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+    index = _device_index(device)
     key = tuple(sorted((k, str(v)) for k, v in (defines or {}).items()))
     return _load_kernel(name, entry, key, index)
 
@@ -639,7 +648,7 @@ def set_max_dynamic_smem(kernel: Any, shared_mem_bytes: int, device: torch.devic
     """
     from cuda.bindings import driver
 
-    index = torch.device("cuda", device).index if not isinstance(device, int) else device
+    index = _device_index(device)
     (err,) = driver.cuKernelSetAttribute(
         driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         int(shared_mem_bytes),
@@ -691,7 +700,7 @@ def launch(
     """
     from cuda.core import launch as core_launch
 
-    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+    index = _device_index(device)
     _make_current(index)
     stream = _core_stream(torch.cuda.current_stream(index).cuda_stream)
     config = _launch_config(params)

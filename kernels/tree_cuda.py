@@ -184,7 +184,8 @@ def _ptr(tensor: torch.Tensor | None) -> int:
 
 
 def _max_smem(index: int) -> int:
-    optin = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    properties = torch.cuda.get_device_properties(index)
+    optin = int(properties.shared_memory_per_block_optin)  # type: ignore[attr-defined]  # not in stubs
     return min(_MAX_SMEM_BYTES, optin - _STATIC_SMEM_RESERVE)
 
 
@@ -343,8 +344,10 @@ def accept(
         flags = error_flags
     seed = None
     if temperature > 0:
-        draw = {"generator": generator} if generator is not None else {}
-        seed = torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64, **draw)  # [1]
+        # The reference's draw, so one generator state gives the reference's result.
+        seed = torch.randint(
+            0, 2**62, (1,), generator=generator, device=device, dtype=torch.int64
+        )  # [1]
     mode = 0 if target_tokens is not None else (2 if temperature > 0 else 1)
     path_len = tree.draft_len + 1
     nodes = torch.empty(batch_size, path_len, dtype=torch.int32, device=device)
