@@ -185,9 +185,16 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     )
                 self._in_flight += 1
                 try:
-                    return await inner(request, context)
+                    response = await inner(request, context)
                 finally:
                     self._in_flight -= 1
+                _log.debug(
+                    "event=rpc_done method=%s request_id=%s code=OK latency_ms=%.3f",
+                    method,
+                    request_id,
+                    (time.perf_counter() - started) * 1e3,
+                )
+                return response
             except DDTreeError as err:
                 code = err.code
                 _log.info(

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
 import grpc
+import torch
 
 from ddtree.service import convert
 from ddtree.service.config import ServiceConfig
@@ -27,6 +29,20 @@ from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 __all__ = ["TreeSpeculationServicer"]
 
 _T = TypeVar("_T")
+
+_OFFLOAD_BYTES = 1 << 20
+"""Requests and responses larger than this are converted on a helper thread: copying hundreds
+of megabytes of inline tensors would otherwise stall every other call on the event loop."""
+
+
+async def _convert(byte_size: int, work: Callable[[], _T]) -> _T:
+    if byte_size <= _OFFLOAD_BYTES:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(None, work)
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
@@ -105,8 +121,10 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
     ) -> pb.BuildTreeResponse:
         """Build the draft trees."""
         budget_s = self._budget_s(context)
-        call = convert.build_tree_call(
-            request, self._resolver, deadline_s=time.monotonic() + budget_s
+        deadline_s = time.monotonic() + budget_s
+        call = await _convert(
+            request.ByteSize(),
+            lambda: convert.build_tree_call(request, self._resolver, deadline_s=deadline_s),
         )
         tree = await self._await(self._engine.build_tree(call), budget_s)
         return pb.BuildTreeResponse(tree=convert.tree_to_proto(tree))
@@ -116,24 +134,37 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
     ) -> pb.AcceptTreeResponse:
         """Walk the trees; commit the KV cache when asked and return it (sent inline)."""
         budget_s = self._budget_s(context)
-        call = convert.accept_tree_call(
-            request, self._resolver, deadline_s=time.monotonic() + budget_s
+        deadline_s = time.monotonic() + budget_s
+        call = await _convert(
+            request.ByteSize(),
+            lambda: convert.accept_tree_call(request, self._resolver, deadline_s=deadline_s),
         )
         result = await self._await(self._engine.accept_tree(call), budget_s)
-        response = pb.AcceptTreeResponse(acceptance=convert.acceptance_to_proto(result.acceptance))
-        if result.kv_cache is not None:
-            response.kv_cache.CopyFrom(convert.tensor_to_proto(result.kv_cache))
-        return response
+
+        def respond() -> pb.AcceptTreeResponse:
+            response = pb.AcceptTreeResponse(
+                acceptance=convert.acceptance_to_proto(result.acceptance)
+            )
+            if result.kv_cache is not None:
+                response.kv_cache.CopyFrom(convert.tensor_to_proto(result.kv_cache))
+            return response
+
+        return await _convert(_nbytes(result.kv_cache), respond)
 
     async def VerifyAttention(
         self, request: pb.VerifyAttentionRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerifyAttentionResponse:
         """Tree-masked paged attention."""
         budget_s = self._budget_s(context)
-        call = convert.verify_attention_call(
-            request, self._resolver, deadline_s=time.monotonic() + budget_s
+        deadline_s = time.monotonic() + budget_s
+        call = await _convert(
+            request.ByteSize(),
+            lambda: convert.verify_attention_call(request, self._resolver, deadline_s=deadline_s),
         )
         out, lse = await self._await(self._engine.verify_attention(call), budget_s)
-        return pb.VerifyAttentionResponse(
-            out=convert.tensor_to_proto(out), lse=convert.tensor_to_proto(lse)
+        return await _convert(
+            _nbytes(out, lse),
+            lambda: pb.VerifyAttentionResponse(
+                out=convert.tensor_to_proto(out), lse=convert.tensor_to_proto(lse)
+            ),
         )

@@ -161,3 +161,24 @@ def test_async_client_gives_the_same_results(server: ServerThread, step: Step) -
 def test_model_label_is_accepted(client: Client, step: Step) -> None:
     tree = client.build_tree(step.draft_logits, step.root_tokens, BUDGET, model="kimi-k2:v1.5")
     assert_trees_equal(tree, step.tree)
+
+
+def test_large_inline_tensors_round_trip(client: Client, step: Step) -> None:
+    # Over 1 MiB each way: converted on a helper thread instead of the event loop.
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 2, 300_000, generator=generator)
+    roots = torch.tensor([299_999])
+    want = kernels.build_tree(logits, roots, 4, backend="reference")
+    assert_trees_equal(client.build_tree(logits, roots, 4), want)
+    cache = torch.randn(64, 16, 576, generator=generator).to(torch.bfloat16)
+    table = torch.arange(64, dtype=torch.int32).reshape(2, 32)[:1]
+    lens = torch.tensor([100], dtype=torch.int32)
+    targets = torch.zeros(1, want.num_nodes_max, dtype=torch.int64)
+    targets[0, 0] = want.tokens[0, 2]
+    want_cache = cache.clone()
+    accepted = kernels.accept(want, targets, backend="reference")
+    kernels.commit_kv(want_cache, table, lens, accepted, backend="reference")
+    assert accepted.nodes[0, :2].tolist() == [0, 2], "node 2 moves to position 1"
+    got = client.accept_tree(want, targets, kv_commit=KvCommit(cache, table, lens))
+    assert_acceptances_equal(got, accepted)
+    assert torch.equal(cache, want_cache)
