@@ -5,11 +5,12 @@ fresh one). Names follow Prometheus conventions: the ``ddtree_`` prefix, base un
 counters ending in ``_total``; labels are low-cardinality (``service``, ``method``, ``code``,
 ``op``, ``device``, ``model``, ``depth``, ``budget``), never request ids, shapes or tokens.
 
-Nothing here synchronises with a GPU. Device time comes from CUDA events recorded around an op on
-the current stream, and speculation statistics from small device-to-host copies into pinned
-memory followed by an event; both wait in a bounded queue that is drained without blocking (on
-every new observation and before every scrape), so values appear once the device has passed
-them. :meth:`Metrics.flush` waits for the queue (tests, shutdown).
+Nothing here synchronises with a GPU, and the op path stays cheap. Device time comes from CUDA
+events recorded around an op on the current stream; speculation data is snapshotted (CPU: a
+clone; CUDA: device-to-host copies into pinned memory followed by an event). Both wait in a
+bounded queue that is counted in batches without blocking: before every scrape, so each scrape
+is exact for everything the device has finished, and whenever ``batch`` observations have queued
+up. :meth:`Metrics.flush` waits for the device and counts everything (tests, shutdown).
 
 The live budget curve uses the nested property of DDTree trees (Ringel & Romano, arXiv
 2604.12989): the tree of budget ``b`` is exactly the first ``b`` popped nodes of any larger tree,
@@ -35,8 +36,9 @@ from wsgiref.simple_server import WSGIServer
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ddtree.kernels.types import MAX_BUDGET, MAX_DRAFT_LEN
 
@@ -100,6 +102,7 @@ ACCEPTANCE_LENGTH_BUCKETS: tuple[float, ...] = tuple(float(n) for n in range(1, 
 _NO_MODEL = ""
 _OTHER_MODEL = "other"
 _MAX_PENDING = 4096
+_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ def budget_curve(
         Shape ``(batch_size,)``, integer, same device. ``1 + draft nodes`` of each tree
         (``Tree.num_nodes``).
     ladder : sequence of int
-        Budgets to evaluate, each ``>= 1``.
+        Budgets to evaluate, strictly increasing, each ``>= 1``.
 
     Returns
     -------
@@ -150,21 +153,54 @@ def budget_curve(
         length each budget would have given.
     walks : torch.Tensor
         Shape ``(len(ladder),)``, int64, same device. Walks counted for each budget.
+
+    Raises
+    ------
+    ValueError
+        ``ladder`` is empty, not strictly increasing or holds a budget below 1.
+
+    Notes
+    -----
+    Linear in ``batch_size * path_len``: a path slot survives budget ``b`` exactly when the
+    running maximum of the path's node indices up to it is ``<= b``, so each slot counts for every
+    ladder budget from the smallest one covering that running maximum up to the walk's largest
+    ladder budget; difference arrays and a cumulative sum add those ranges up.
     """
+    budget_list = list(ladder)
+    if (
+        not budget_list
+        or budget_list[0] < 1
+        or any(a >= b for a, b in zip(budget_list, budget_list[1:], strict=False))
+    ):
+        raise ValueError(f"ladder: expected strictly increasing budgets >= 1, got {budget_list}")
     device = nodes.device
-    path_len = nodes.shape[1]
+    rungs = len(budget_list)
+    budgets = torch.tensor(budget_list, dtype=torch.int64, device=device)  # [ladder]
     nodes64 = nodes.to(torch.int64)  # [batch, path_len]
     length64 = length.to(torch.int64)  # [batch]
-    budgets = torch.tensor(list(ladder), dtype=torch.int64, device=device)  # [ladder]
-    slots = torch.arange(path_len, device=device)  # [path_len]
-    on_path = (slots[None, :] < length64[:, None]) & (nodes64 >= 0)  # [batch, path_len]
-    within = on_path[:, None, :] & (nodes64[:, None, :] <= budgets[None, :, None])
-    # [batch, ladder, path_len]; cumprod keeps the prefix before the first node past the budget.
-    cut_length = within.to(torch.int64).cumprod(dim=2).sum(dim=2)  # [batch, ladder]
+    slots = torch.arange(nodes.shape[1], device=device)  # [path_len]
+    on_path = slots[None, :] < length64[:, None]  # [batch, path_len]
+    # Slots past tau, and every slot from a padding entry on, are past every budget.
+    past_all = budget_list[-1] + 1
+    index = torch.where(on_path & (nodes64 >= 0), nodes64, past_all)  # [batch, path_len]
+    running_max = index.cummax(dim=1).values  # [batch, path_len]
+    # Index of the smallest budget covering each slot (``rungs``: none), counted one rung at a
+    # time: no [batch, path_len, ladder] temporary, and no torch.searchsorted, whose CPU kernel
+    # costs milliseconds even on tiny inputs on a busy machine.
+    first_rung = torch.zeros_like(running_max)  # [batch, path_len]
+    for budget in budget_list:
+        first_rung += running_max > budget
     draft_nodes = num_nodes.to(torch.int64) - 1  # [batch]
-    counted = (length64 >= 1)[:, None] & (budgets[None, :] <= draft_nodes[:, None])
-    # [batch, ladder]
-    return (cut_length * counted).sum(dim=0), counted.to(torch.int64).sum(dim=0)
+    last_rung = (draft_nodes[:, None] >= budgets).sum(dim=1) - 1  # [batch], -1 = none
+    last_rung = torch.where(length64 >= 1, last_rung, -1)
+    end = (last_rung + 1)[:, None].expand_as(first_rung)  # [batch, path_len]
+    counts = first_rung < end  # [batch, path_len]: slot counts for rungs first..last
+    delta = torch.bincount(first_rung[counts], minlength=rungs + 1)  # [ladder + 1]
+    delta = delta - torch.bincount(end[counts], minlength=rungs + 1)
+    walked = last_rung >= 0  # [batch]: each walk counts for rungs 0..last_rung
+    walk_delta = -torch.bincount(last_rung[walked] + 1, minlength=rungs + 1)  # [ladder + 1]
+    walk_delta[0] += walked.sum()
+    return delta.cumsum(0)[:rungs], walk_delta.cumsum(0)[:rungs]
 
 
 def acceptance_stats(
@@ -211,22 +247,72 @@ def acceptance_stats(
     )
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Start an asynchronous copy of a CUDA tensor into fresh pinned host memory."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
-
-
+@dataclass
 class _Pending:
-    """Work waiting for a CUDA event: ``apply()`` runs once ``event`` has completed."""
+    """One observation waiting to be counted: ready once ``event`` (if any) has completed."""
 
-    __slots__ = ("apply", "event", "kind")
+    kind: str
+    """``"device_time"``, ``"tree"`` or ``"acceptance"`` (the ``kind`` of dropped ones)."""
+    event: torch.cuda.Event | None
+    """Completes when the device has produced the data; ``None`` for host data."""
+    label: str
+    """``model`` label (speculation) or unused (device time)."""
+    tensors: tuple[torch.Tensor, ...] = ()
+    """Host tensors: ``(num_nodes,)`` or ``(nodes, length, num_nodes)``."""
+    timing: tuple[torch.cuda.Event, Histogram] | None = None
+    """Start event and histogram child of a device-time observation (``event`` is the end)."""
 
-    def __init__(self, kind: str, event: torch.cuda.Event, apply: Callable[[], None]) -> None:
-        self.kind = kind
-        self.event = event
-        self.apply = apply
+    @property
+    def rows(self) -> int:
+        """Trees or walks it holds (1 for device time)."""
+        return int(self.tensors[0].shape[0]) if self.tensors else 1
+
+    def is_ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+
+class _LengthHistogram(Collector):
+    """A ``model``-labelled histogram with the buckets of ``ACCEPTANCE_LENGTH_BUCKETS``, fed
+    whole count vectors at once (a batch of 1024 walks is one update, not 1024 observations)."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._lock = threading.Lock()
+        self._counts: dict[str, list[int]] = {}  # model -> walks per length 0..MAX_DRAFT_LEN+1
+        self._overflow: dict[str, int] = {}  # model -> walks longer than the last bucket
+
+    def add(self, model: str, length_counts: Sequence[int]) -> None:
+        """Add ``length_counts[tau]`` walks of each length ``tau`` (creates the series)."""
+        with self._lock:
+            counts = self._counts.setdefault(model, [0] * (len(ACCEPTANCE_LENGTH_BUCKETS) + 1))
+            self._overflow.setdefault(model, 0)
+            for tau, count in enumerate(length_counts):
+                if tau < len(counts):
+                    counts[tau] += count
+                else:
+                    self._overflow[model] += count
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self._name, self._documentation, labels=["model"])
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        with self._lock:
+            snapshot = {m: (list(c), self._overflow[m]) for m, c in self._counts.items()}
+        for model, (counts, overflow) in snapshot.items():
+            buckets = []
+            cumulative = counts[0]  # length 0 never happens; kept so indices are lengths
+            for bound in ACCEPTANCE_LENGTH_BUCKETS:
+                cumulative += counts[int(bound)]
+                buckets.append((floatToGoString(bound), cumulative))
+            buckets.append(("+Inf", cumulative + overflow))
+            total = sum(tau * count for tau, count in enumerate(counts))
+            family.add_metric([model], buckets, sum_value=total)
+        return [family]
 
 
 class _DrainBeforeScrape(Collector):
@@ -258,13 +344,17 @@ class Metrics:
         Distinct non-empty ``model`` labels kept; later ones are counted as ``"other"`` so that a
         misbehaving caller cannot blow up the series count.
     max_pending : int
-        Observations waiting for the GPU at most; past it the oldest is dropped and counted in
-        ``ddtree_metrics_dropped_total``.
+        Observations queued at most; past it the oldest is dropped and counted in
+        ``ddtree_metrics_dropped_total`` (only if the device falls that far behind).
+    batch : int
+        Queued observations that trigger counting them on the observing thread, ``1..max_pending``.
 
     Notes
     -----
-    The drain hook is registered before any metric, so each scrape first folds in every
-    observation whose GPU work has finished. Methods are thread-safe.
+    Observations are queued and counted in batches, one statistics pass per model, so an op pays
+    a queue append (plus, on CUDA, async copies and an event) rather than tens of small tensor
+    ops. The drain hook is registered before any metric, so each scrape first counts every
+    observation whose data is ready; values are exact at every scrape. Methods are thread-safe.
     """
 
     def __init__(
@@ -274,17 +364,22 @@ class Metrics:
         methods: Sequence[tuple[str, str]] = (),
         max_models: int = 16,
         max_pending: int = _MAX_PENDING,
+        batch: int = _BATCH,
     ) -> None:
         if max_models < 0:
             raise ValueError(f"max_models: expected >= 0, got {max_models}")
         if max_pending < 1:
             raise ValueError(f"max_pending: expected >= 1, got {max_pending}")
+        if not 1 <= batch <= max_pending:
+            raise ValueError(f"batch: expected 1..max_pending={max_pending}, got {batch}")
         self.registry = registry
         self._max_models = max_models
         self._models: set[str] = set()
         self._lock = threading.Lock()
         self._pending: collections.deque[_Pending] = collections.deque()
         self._max_pending = max_pending
+        self._batch = batch
+        self._pending_rows = 0
         registry.register(_DrainBeforeScrape(self.poll))
 
         self.rpc_calls = Counter(
@@ -337,13 +432,11 @@ class Metrics:
             ["model"],
             registry=registry,
         )
-        self.acceptance_length = Histogram(
+        self.acceptance_length = _LengthHistogram(
             "ddtree_acceptance_length",
             "Acceptance length tau of one verify walk (accepted nodes including the root).",
-            ["model"],
-            buckets=ACCEPTANCE_LENGTH_BUCKETS,
-            registry=registry,
         )
+        registry.register(self.acceptance_length)
         self.accepted_by_depth = Counter(
             "ddtree_accepted_tokens_by_depth_total",
             "Verify walks whose accepted path reached each draft depth (1..draft_len).",
@@ -415,7 +508,7 @@ class Metrics:
         self.draft_nodes.labels(model)
         self.walks.labels(model)
         self.accepted_tokens.labels(model)
-        self.acceptance_length.labels(model)
+        self.acceptance_length.add(model, [])
         for depth in range(1, MAX_DRAFT_LEN + 1):
             self.accepted_by_depth.labels(model, str(depth))
         for budget in BUDGET_LADDER:
@@ -539,11 +632,11 @@ class Metrics:
         device : torch.device
             Device the op runs on; ``str(device)`` is the ``device`` label.
         """
-        label = str(device)
+        histogram = self.op_device_seconds.labels(op, str(device))
         if device.type != "cuda":
             start_s = time.perf_counter()
             yield
-            self.op_device_seconds.labels(op, label).observe(time.perf_counter() - start_s)
+            histogram.observe(time.perf_counter() - start_s)
             return
         stream = torch.cuda.current_stream(device)
         start = torch.cuda.Event(enable_timing=True)
@@ -551,12 +644,7 @@ class Metrics:
         start.record(stream)
         yield
         end.record(stream)
-        histogram = self.op_device_seconds.labels(op, label)
-
-        def apply() -> None:
-            histogram.observe(start.elapsed_time(end) / 1000.0)
-
-        self._enqueue(_Pending("device_time", end, apply))
+        self._enqueue(_Pending("device_time", end, "", timing=(start, histogram)))
 
     # ------------------------------------------------------------------ speculation
 
@@ -571,19 +659,8 @@ class Metrics:
         model : str
             The call's model label, ``""`` for none.
         """
-        label = self.model_label(model)
-        trees = self.trees.labels(label)
-        nodes = self.draft_nodes.labels(label)
-
-        def count(host: torch.Tensor) -> None:
-            trees.inc(int(host.numel()))
-            nodes.inc(int((host.to(torch.int64) - 1).clamp_min(0).sum()))
-
-        if num_nodes.device.type != "cuda":
-            count(num_nodes)
-            return
-        host = _to_host(num_nodes)
-        self._enqueue(_Pending("tree", _record_event(num_nodes.device), lambda: count(host)))
+        event, host = _snapshot(num_nodes)
+        self._enqueue(_Pending("tree", event, self.model_label(model), host))
 
     def observe_acceptance(
         self,
@@ -607,26 +684,15 @@ class Metrics:
         model : str
             The call's model label, ``""`` for none.
         """
-        label = self.model_label(model)
-
-        def count(nodes_h: torch.Tensor, length_h: torch.Tensor, num_h: torch.Tensor) -> None:
-            self._count_acceptance(acceptance_stats(nodes_h, length_h, num_h), label)
-
-        if nodes.device.type != "cuda":
-            count(nodes, length, num_nodes)
-            return
-        hosts = (_to_host(nodes), _to_host(length), _to_host(num_nodes))
-        self._enqueue(_Pending("acceptance", _record_event(nodes.device), lambda: count(*hosts)))
+        event, hosts = _snapshot(nodes, length, num_nodes)
+        self._enqueue(_Pending("acceptance", event, self.model_label(model), hosts))
 
     def _count_acceptance(self, stats: AcceptanceStats, label: str) -> None:
         if stats.walks == 0:
             return
         self.walks.labels(label).inc(stats.walks)
         self.accepted_tokens.labels(label).inc(stats.accepted_tokens)
-        histogram = self.acceptance_length.labels(label)
-        for tau, count in enumerate(stats.length_counts.tolist()):
-            for _ in range(count):
-                histogram.observe(tau)
+        self.acceptance_length.add(label, stats.length_counts.tolist())
         for depth, count in enumerate(stats.depth_counts.tolist(), start=1):
             if count:
                 self.accepted_by_depth.labels(label, str(depth)).inc(count)
@@ -645,42 +711,85 @@ class Metrics:
     def _enqueue(self, item: _Pending) -> None:
         with self._lock:
             if len(self._pending) >= self._max_pending:
-                self.dropped.labels(self._pending.popleft().kind).inc()
+                dropped = self._pending.popleft()
+                self._pending_rows -= dropped.rows
+                self.dropped.labels(dropped.kind).inc()
             self._pending.append(item)
-        self.poll()
+            self._pending_rows += item.rows
+            # Walks, not calls, set the cost of a statistics pass: bound both.
+            is_due = len(self._pending) >= self._batch or self._pending_rows >= 64 * self._batch
+        if is_due:
+            self.poll()
 
     def poll(self) -> None:
-        """Fold in every queued observation whose GPU work has finished; never blocks."""
-        while True:
-            with self._lock:
-                ready = next((p for p in self._pending if p.event.query()), None)
-                if ready is None:
-                    return
-                self._pending.remove(ready)
-            ready.apply()
+        """Count every queued observation whose data is ready; never blocks on the device.
+
+        Runs before every scrape and whenever ``batch`` observations have queued up.
+        """
+        with self._lock:
+            ready, keep = [], collections.deque()
+            for item in self._pending:
+                (ready if item.is_ready() else keep).append(item)
+            self._pending = keep
+            self._pending_rows = sum(item.rows for item in keep)
+        self._count(ready)
 
     def flush(self) -> None:
-        """Wait for every queued observation's GPU work and fold it in (tests, shutdown)."""
-        while True:
-            with self._lock:
-                if not self._pending:
-                    return
-                item = self._pending.popleft()
-            item.event.synchronize()
-            item.apply()
+        """Wait for every queued observation's device work and count it (tests, shutdown)."""
+        with self._lock:
+            items = list(self._pending)
+            self._pending.clear()
+            self._pending_rows = 0
+        for item in items:
+            if item.event is not None:
+                item.event.synchronize()
+        self._count(items)
+
+    def _count(self, items: Sequence[_Pending]) -> None:
+        """Fold observations into the metrics, one statistics pass per model and path length."""
+        trees: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
+        walks: dict[tuple[str, int], list[tuple[torch.Tensor, ...]]] = collections.defaultdict(list)
+        for item in items:
+            if item.timing is not None:
+                start, histogram = item.timing
+                assert item.event is not None  # device time always ends with an event
+                histogram.observe(start.elapsed_time(item.event) / 1000.0)
+            elif item.kind == "tree":
+                trees[item.label].append(item.tensors[0])
+            else:
+                walks[(item.label, item.tensors[0].shape[1])].append(item.tensors)
+        for label, parts in trees.items():
+            num_nodes = torch.cat(parts).to(torch.int64)  # [trees]
+            self.trees.labels(label).inc(int(num_nodes.numel()))
+            self.draft_nodes.labels(label).inc(int((num_nodes - 1).clamp_min(0).sum()))
+        for (label, _), batches in walks.items():
+            columns = zip(*batches, strict=True)  # nodes, length, num_nodes
+            nodes, length, num_nodes = (torch.cat(column) for column in columns)
+            self._count_acceptance(acceptance_stats(nodes, length, num_nodes), label)
 
     @property
     def pending(self) -> int:
-        """Observations still waiting for the GPU."""
+        """Observations not counted yet (waiting for the device or for the next batch)."""
         with self._lock:
             return len(self._pending)
 
 
-def _record_event(device: torch.device) -> torch.cuda.Event:
-    """Record an event on the current stream of ``device`` (after the copies queued there)."""
+def _snapshot(*tensors: torch.Tensor) -> tuple[torch.cuda.Event | None, tuple[torch.Tensor, ...]]:
+    """Host copies of ``tensors`` that later writes to them cannot change.
+
+    CUDA tensors are copied asynchronously into pinned memory, with an event recorded after the
+    copies on the current stream (no host sync); CPU tensors are cloned.
+    """
+    if tensors[0].device.type != "cuda":
+        return None, tuple(t.clone() for t in tensors)
+    hosts = []
+    for tensor in tensors:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        hosts.append(host)
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return event, tuple(hosts)
 
 
 def server_registry() -> CollectorRegistry:

@@ -125,6 +125,67 @@ def test_budget_curve_leaves_out_budgets_larger_than_the_tree():
     assert walks.tolist() == [1, 1, 0]
 
 
+def _scrambled_walks(batch_size: int, path_len: int, seed: int):
+    """Paths that are not increasing and hold padding inside: the cut rule must still hold."""
+    gen = torch.Generator().manual_seed(seed)
+    nodes = torch.randint(-1, 40, (batch_size, path_len), generator=gen, dtype=torch.int32)
+    nodes[:, 0] = 0
+    length = torch.randint(0, path_len + 1, (batch_size,), generator=gen, dtype=torch.int32)
+    num_nodes = torch.randint(1, 70, (batch_size,), generator=gen, dtype=torch.int32)
+    return nodes, length, num_nodes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_budget_curve_cuts_scrambled_paths_like_a_scalar_walk(seed):
+    nodes, length, num_nodes = _scrambled_walks(50, 9, seed)
+    sums, walks = budget_curve(nodes, length, num_nodes, ladder=(1, 2, 3, 8, 16, 64))
+    expected_sums, expected_walks = _scalar_curve(nodes, length, num_nodes, (1, 2, 3, 8, 16, 64))
+    assert sums.tolist() == expected_sums
+    assert walks.tolist() == expected_walks
+
+
+@pytest.mark.parametrize("ladder", [(), (0, 1), (2, 2), (4, 2)], ids=repr)
+def test_budget_curve_rejects_a_bad_ladder(ladder):
+    nodes, length, num_nodes = _random_walks(2, 4, 9, seed=0)
+    with pytest.raises(ValueError, match="ladder: expected strictly increasing budgets >= 1"):
+        budget_curve(nodes, length, num_nodes, ladder)
+
+
+def test_observations_are_snapshots_of_the_callers_tensors(metrics, registry):
+    nodes = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    length = torch.tensor([3], dtype=torch.int32)
+    num_nodes = torch.tensor([9], dtype=torch.int32)
+    metrics.observe_acceptance(nodes, length, num_nodes)
+    metrics.observe_trees(num_nodes)
+    length.fill_(1)  # a caller reusing its buffers must not change what was observed
+    num_nodes.fill_(1)
+    assert metrics.pending == 2  # counted in batches, at the latest by the next scrape
+    assert registry.get_sample_value("ddtree_accepted_tokens_total", {"model": ""}) == 2
+    assert registry.get_sample_value("ddtree_draft_nodes_total", {"model": ""}) == 8
+    assert metrics.pending == 0
+
+
+def test_a_full_batch_is_counted_without_a_scrape(registry):
+    metrics = Metrics(registry, batch=3)
+    for _ in range(3):
+        metrics.observe_trees(torch.tensor([5], dtype=torch.int32))
+    assert metrics.pending == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_models": -1}, "max_models: expected >= 0"),
+        ({"max_pending": 0}, "max_pending: expected >= 1"),
+        ({"batch": 0}, "batch: expected 1..max_pending=4096"),
+        ({"max_pending": 8, "batch": 9}, "batch: expected 1..max_pending=8"),
+    ],
+)
+def test_metrics_reject_bad_limits(registry, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Metrics(registry, **kwargs)
+
+
 def test_acceptance_stats_count_lengths_and_depths():
     nodes, length, num_nodes = _random_walks(40, 8, 30, seed=7)
     stats = acceptance_stats(nodes, length, num_nodes)
@@ -239,7 +300,7 @@ def test_time_op_records_nothing_when_the_op_raises(metrics, registry):
     with pytest.raises(ValueError, match="bad"), metrics.time_op("accept", torch.device("cpu")):
         raise ValueError("bad")
     labels = {"op": "accept", "device": "cpu"}
-    assert registry.get_sample_value("ddtree_op_device_seconds_count", labels) is None
+    assert registry.get_sample_value("ddtree_op_device_seconds_count", labels) == 0
 
 
 def test_devices_and_build_info(metrics, registry):
