@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from ddtree.service.errors import (
     TensorTooLarge,
     ValueOutOfRange,
 )
+
+if TYPE_CHECKING:
+    from ddtree.service.memory import Leases
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -84,6 +88,13 @@ class BuildTreeCall:
     """Device of the returned tensors; ``None`` leaves them on the engine's device."""
     deadline_s: float | None = None
     """``time.monotonic()`` after which the call is not started; ``None`` for no deadline."""
+    out: Tree | None = None
+    """Destination of the tree on the engine's device (registered caller memory): tensors of
+    shape ``(batch_size, 1 + max budget)`` (mask ``(..., mask_words)``); the result is them."""
+    wait_event_ipc_handle: bytes = b""
+    """CUDA IPC event handle the engine's stream waits on before reading inputs; ``b""``: none."""
+    leases: Leases | None = None
+    """Registered regions the call's tensors live in; released when the call's work ends."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,10 @@ class AcceptTreeCall:
     model: str = ""
     result_device: torch.device | None = None
     deadline_s: float | None = None
+    out: Acceptance | None = None
+    """Destination of the acceptance on the engine's device; the result is it."""
+    wait_event_ipc_handle: bytes = b""
+    leases: Leases | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +150,12 @@ class VerifyAttentionCall:
     model: str = ""
     result_device: torch.device | None = None
     deadline_s: float | None = None
+    out: torch.Tensor | None = None  # [batch_size, num_nodes_max, num_heads, v_dim] bf16
+    """Destination of the output on the engine's device; the result is it."""
+    lse: torch.Tensor | None = None  # [batch_size, num_nodes_max, num_heads] fp32
+    """Destination of the log-sum-exp on the engine's device; the result is it."""
+    wait_event_ipc_handle: bytes = b""
+    leases: Leases | None = None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -251,6 +272,19 @@ def _validate_tree(field: str, tree: Tree, limits: CallLimits) -> tuple[int, int
     return batch_size, num_nodes_max
 
 
+def _check_tree_out(
+    field: str, out: Tree, batch_size: int, num_nodes_max: int, limits: CallLimits
+) -> None:
+    """Check destination tensors of a tree against the shapes the call will produce."""
+    got = _validate_tree(field, out, limits)
+    if got != (batch_size, num_nodes_max):
+        raise InvalidTensor(
+            f"{field}.tokens: expected shape (batch_size, num_nodes_max) = "
+            f"({batch_size}, {num_nodes_max}), got {got}",
+            field=f"{field}.tokens",
+        )
+
+
 def _check_finite(field: str, value: float, *, allow_zero: bool) -> None:
     ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
     if not ok:
@@ -324,6 +358,9 @@ def validate_build_tree(call: BuildTreeCall, limits: CallLimits) -> None:
         )
     if call.max_budget is not None:
         _check_range("build_tree.max_budget", call.max_budget, largest, MAX_BUDGET)
+    if call.out is not None:
+        num_nodes_max = 1 + (call.max_budget or largest)
+        _check_tree_out("build_tree.outputs", call.out, batch_size, num_nodes_max, limits)
     _check_finite("build_tree.temperature", call.temperature, allow_zero=False)
     validate_model_label("build_tree.model", call.model)
 
@@ -375,6 +412,16 @@ def validate_accept_tree(call: AcceptTreeCall, limits: CallLimits) -> None:
         )
     if call.seed is not None:
         _check_range("accept_tree.seed", call.seed, 0, (1 << 64) - 1)
+    if call.out is not None:
+        path = (batch_size, call.tree.draft_len + 1)
+        path_names = ("batch_size", "path_len")
+        out = call.out
+        field = "accept_tree.outputs"
+        _check_tensor(f"{field}.nodes", out.nodes, (torch.int32,), path, path_names, limits)
+        _check_tensor(f"{field}.tokens", out.tokens, (torch.int64,), path, path_names, limits)
+        one = (batch_size,)
+        _check_tensor(f"{field}.length", out.length, (torch.int32,), one, ("batch_size",), limits)
+        _check_tensor(f"{field}.bonus", out.bonus, (torch.int64,), one, ("batch_size",), limits)
     if call.kv_commit is not None:
         _validate_paged_cache(
             "accept_tree.kv_commit",
@@ -477,6 +524,26 @@ def validate_verify_attention(call: VerifyAttentionCall, limits: CallLimits) -> 
             field="verify_attention.kv_cache",
         )
     _check_range("verify_attention.v_dim", call.v_dim, 1, head_dim)
+    num_heads = q.shape[2]
+    names = ("batch_size", "num_nodes_max", "num_heads")
+    if call.out is not None:
+        _check_tensor(
+            "verify_attention.out_ref",
+            call.out,
+            (torch.bfloat16,),
+            (batch_size, num_nodes_max, num_heads, call.v_dim),
+            (*names, "v_dim"),
+            limits,
+        )
+    if call.lse is not None:
+        _check_tensor(
+            "verify_attention.lse_ref",
+            call.lse,
+            (torch.float32,),
+            (batch_size, num_nodes_max, num_heads),
+            names,
+            limits,
+        )
     if call.sm_scale is not None:
         _check_finite("verify_attention.sm_scale", call.sm_scale, allow_zero=False)
     validate_model_label("verify_attention.model", call.model)

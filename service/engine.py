@@ -51,9 +51,19 @@ from ddtree.service.errors import (
     InvalidLength,
     InvalidToken,
     InvalidTree,
+    MemoryRegistrationUnsupported,
+    MemoryTokenNotFound,
     OutOfMemory,
     ShuttingDown,
     WarmingUp,
+)
+from ddtree.service.memory import (
+    CudaIpcMapper,
+    EventWaiter,
+    Leases,
+    MemoryLimits,
+    RegionInfo,
+    RegionTable,
 )
 
 __all__ = ["DeviceInfo", "Engine", "EngineInfo", "EngineObserver"]
@@ -247,6 +257,7 @@ class Engine:
         backend: str = "auto",
         limits: CallLimits | None = None,
         observer: EngineObserver | None = None,
+        memory_limits: MemoryLimits | None = None,
     ) -> None:
         self.device = _resolve_device(device)
         self.backend: Backend = resolve_backend(backend, self.device)  # type: ignore[arg-type]
@@ -269,6 +280,35 @@ class Engine:
         # One worker per device: ops on a device are serialised on its stream anyway, and the
         # worker is where blocking device waits belong.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ddtree-{self.device}")
+        self.memory: RegionTable | None = None
+        """Registered caller memory (CUDA IPC); ``None`` on the CPU or without cuda-python."""
+        self._events: EventWaiter | None = None
+        self._mapper: CudaIpcMapper | None = None
+        if self.device.type == "cuda":
+            self._open_memory(memory_limits or MemoryLimits())
+
+    def _open_memory(self, limits: MemoryLimits) -> None:
+        try:
+            self._mapper = CudaIpcMapper(self.device)
+        except ImportError as err:
+            _log.warning("event=memory_references_off reason=%s", err)
+            return
+        set_registered = getattr(self._observer, "set_registered", None)
+        label = str(self.device)
+
+        def on_change(regions: int, byte_size: int) -> None:
+            if set_registered is not None:
+                set_registered(label, regions=regions, byte_size=byte_size)
+
+        self.memory = RegionTable(
+            device=self.device,
+            device_uuid=self._info.devices[0].uuid,
+            mapper=self._mapper,
+            limits=limits,
+            on_change=on_change,
+        )
+        self._events = EventWaiter(self._mapper)
+        self._info = replace(self._info, supports_memory_references=True)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -358,6 +398,10 @@ class Engine:
                 self._stream.synchronize()
             except RuntimeError as err:
                 _log.warning("event=close_sync_failed device=%s error=%s", self.device, err)
+        if self.memory is not None and self._events is not None and self._mapper is not None:
+            self.memory.close()
+            self._events.close()
+            self._mapper.release()
         _log.info("event=engine_closed device=%s", self.device)
 
     def __enter__(self) -> Engine:
@@ -365,6 +409,60 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ registered memory
+
+    def register_memory(
+        self, ipc_handle: bytes, device_uuid: str, byte_size: int, client_id: str
+    ) -> Future[tuple[str, RegionInfo]]:
+        """Map a caller's CUDA IPC allocation; the future gives ``(token, region)``.
+
+        The driver calls run on the device worker. See ``RegionTable.register`` for the errors
+        (raised through the future).
+
+        Raises
+        ------
+        MemoryRegistrationUnsupported
+            This engine has no registered memory (CPU device or no cuda-python).
+        ShuttingDown
+            The engine is closed.
+        """
+        memory = self._require_memory()
+        return self._submit(
+            None, lambda: memory.register(ipc_handle, device_uuid, byte_size, client_id)
+        )
+
+    def unregister_memory(self, token: str) -> RegionInfo:
+        """Forget a region; its mapping closes when the calls using it end.
+
+        Raises
+        ------
+        MemoryTokenNotFound
+            Unknown or expired token (always, on an engine without registered memory).
+        """
+        if self.memory is None:
+            raise MemoryTokenNotFound(
+                "unregister_memory.region_token: unknown region token",
+                field="unregister_memory.region_token",
+            )
+        return self.memory.unregister(token)
+
+    def list_memory(self, client_id: str) -> list[RegionInfo]:
+        """Regions registered with ``client_id`` (none on an engine without registered memory)."""
+        if self.memory is None:
+            return []
+        return self.memory.list(client_id)
+
+    def _require_memory(self) -> RegionTable:
+        if self._is_closed:
+            raise ShuttingDown("engine: shutting down, register with another replica")
+        if self.memory is None:
+            raise MemoryRegistrationUnsupported(
+                "register_memory: this server does not support registered memory (it runs on "
+                f"{self.device}{'' if self.device.type == 'cpu' else ' without cuda-python'}); "
+                "send tensors inline (GetServerInfo.supports_memory_references is false)"
+            )
+        return self.memory
 
     # ------------------------------------------------------------------ ops
 
@@ -379,9 +477,15 @@ class Engine:
         WarmingUp, ShuttingDown
             The engine is not ready or closed.
         """
-        self._check_state()
-        validate_build_tree(call, self.limits)
-        return self._submit(call.deadline_s, lambda: self._build_tree(call))
+        with self._releasing_on_error(call.leases):
+            self._check_state()
+            validate_build_tree(call, self.limits)
+            return self._submit(
+                call.deadline_s,
+                lambda: self._build_tree(call),
+                leases=call.leases,
+                wait_event=(call.wait_event_ipc_handle, "build_tree.wait_event_ipc_handle"),
+            )
 
     def accept_tree(self, call: AcceptTreeCall) -> Future[AcceptTreeResult]:
         """Walk the trees of ``call`` and optionally commit the KV cache in place.
@@ -398,9 +502,15 @@ class Engine:
         WarmingUp, ShuttingDown
             The engine is not ready or closed.
         """
-        self._check_state()
-        validate_accept_tree(call, self.limits)
-        return self._submit(call.deadline_s, lambda: self._accept_tree(call))
+        with self._releasing_on_error(call.leases):
+            self._check_state()
+            validate_accept_tree(call, self.limits)
+            return self._submit(
+                call.deadline_s,
+                lambda: self._accept_tree(call),
+                leases=call.leases,
+                wait_event=(call.wait_event_ipc_handle, "accept_tree.wait_event_ipc_handle"),
+            )
 
     def verify_attention(
         self, call: VerifyAttentionCall
@@ -415,9 +525,15 @@ class Engine:
         WarmingUp, ShuttingDown
             The engine is not ready or closed.
         """
-        self._check_state()
-        validate_verify_attention(call, self.limits)
-        return self._submit(call.deadline_s, lambda: self._verify_attention(call))
+        with self._releasing_on_error(call.leases):
+            self._check_state()
+            validate_verify_attention(call, self.limits)
+            return self._submit(
+                call.deadline_s,
+                lambda: self._verify_attention(call),
+                leases=call.leases,
+                wait_event=(call.wait_event_ipc_handle, "verify_attention.wait_event_ipc_handle"),
+            )
 
     # ------------------------------------------------------------------ internals
 
@@ -427,7 +543,45 @@ class Engine:
         if not self._is_ready:
             raise WarmingUp("engine: kernels are warming up, retry shortly")
 
-    def _submit(self, deadline_s: float | None, work: Callable[[], _T]) -> Future[_T]:
+    @contextlib.contextmanager
+    def _releasing_on_error(self, leases: Leases | None) -> Iterator[None]:
+        # A call refused before its work is queued never reaches the future's release.
+        try:
+            yield
+        except BaseException:
+            if leases is not None:
+                leases.release()
+            raise
+
+    def _submit(
+        self,
+        deadline_s: float | None,
+        work: Callable[[], _T],
+        *,
+        leases: Leases | None = None,
+        wait_event: tuple[bytes, str] = (b"", ""),
+    ) -> Future[_T]:
+        """Queue ``work`` on the device worker.
+
+        With registered memory in the call (``leases``), the stream first waits on the caller's
+        IPC event (if any), and the work ends with a stream synchronisation, so every read and
+        write of caller memory is complete before the future resolves; the leases are released
+        when the future is done (also when it is cancelled before running).
+        """
+        handle, field = wait_event
+        touches_caller_memory = bool(leases) or bool(handle)
+
+        def run_on_stream() -> _T:
+            if handle and self._events is not None and self._stream is not None:
+                self._events.wait(handle, self._stream.cuda_stream, field)
+            try:
+                return work()
+            finally:
+                # Also on errors: no launched read or write of caller memory may outlive the
+                # call (its leases end with it).
+                if touches_caller_memory and self._stream is not None:
+                    self._stream.synchronize()
+
         def run() -> _T:
             if deadline_s is not None and time.monotonic() > deadline_s:
                 raise DeadlineExceeded("deadline passed while the call waited for the device")
@@ -435,7 +589,7 @@ class Engine:
                 raise ShuttingDown("engine: the device failed earlier, the server is restarting")
             try:
                 with self._on_stream():
-                    return work()
+                    return run_on_stream()
             except torch.OutOfMemoryError as err:
                 raise OutOfMemory(f"device {self.device} is out of memory: {err}") from err
             except torch.AcceleratorError as err:
@@ -447,9 +601,12 @@ class Engine:
                 ) from err
 
         try:
-            return self._worker.submit(run)
+            future = self._worker.submit(run)
         except RuntimeError as err:  # the executor was shut down between check and submit
             raise ShuttingDown("engine: shutting down, send the call to another replica") from err
+        if leases is not None:
+            future.add_done_callback(lambda _: leases.release())
+        return future
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
@@ -545,6 +702,11 @@ class Engine:
             logits.shape[0],
         )
         self._observer.observe_trees(tree.num_nodes, model=call.model)
+        if call.out is not None:
+            # Caller memory: the kernels allocate their outputs, so copy (a few KB per request).
+            for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
+                getattr(call.out, name).copy_(getattr(tree, name))
+            return call.out
         return self._tree_result(tree, call.result_device)
 
     def _tree_result(self, tree: Tree, device: torch.device | None) -> Tree:
@@ -588,6 +750,10 @@ class Engine:
         self._observer.observe_acceptance(
             acceptance.nodes, acceptance.length, tree.num_nodes, model=call.model
         )
+        if call.out is not None:
+            for name in ("nodes", "tokens", "length", "bonus"):
+                getattr(call.out, name).copy_(getattr(acceptance, name))
+            return AcceptTreeResult(acceptance=call.out, kv_cache=kv_cache)
         device = call.result_device
         if device is not None and device != self.device:
             acceptance = Acceptance(
@@ -638,9 +804,16 @@ class Engine:
                 tree,
                 v_dim=call.v_dim,
                 sm_scale=call.sm_scale,
+                out=call.out,
+                lse=call.lse,
                 error_flags=f,
                 backend=self.backend,
             ),
             tree.batch_size,
         )
-        return self._result(out, call.result_device), self._result(lse, call.result_device)
+        # Outputs written into caller memory stay there; the others go to result_device.
+        if call.out is None:
+            out = self._result(out, call.result_device)
+        if call.lse is None:
+            lse = self._result(lse, call.result_device)
+        return out, lse
