@@ -274,14 +274,16 @@ def _kernels(config: TileConfig, index: int) -> tuple[object, object, object]:
     if config.arch is None:
         check, attention, combine = (jit.get_kernel(_SOURCE, e, defines, index) for e in entries)
     else:
-        # The architecture-specific target (sm_90a) is not the device's default one; the cubin
-        # still comes from jit's compiler and disk cache.
+        # The check and combine kernels come from the device's portable build (shared with the
+        # mma.sync variant); the attention kernel from an sm_90a build, compiled and cached by
+        # jit like every other, loaded here because jit.get_kernel targets the device's own arch.
         from cuda.core import ObjectCode
 
-        jit.get_kernel(_SOURCE, entries[0], {}, index)  # makes torch's context current here
+        portable = tile_config(config.head_dim, config.v_dim, _device_limits(index)[1])
+        check = jit.get_kernel(_SOURCE, entries[0], portable.defines(), index)
+        combine = jit.get_kernel(_SOURCE, entries[2], portable.defines(), index)
         cubin, _ = jit.compile_cubin(_SOURCE, config.arch, defines)
-        module = ObjectCode.from_cubin(cubin, name=_SOURCE)
-        check, attention, combine = (module.get_kernel(e) for e in entries)
+        attention = ObjectCode.from_cubin(cubin, name=_SOURCE).get_kernel(entries[1])
     jit.set_max_dynamic_smem(attention, config.shared_mem_bytes, index)
     return check, attention, combine
 

@@ -109,8 +109,8 @@ static_assert(kWarpDims % 16 == 0, "VA_V_DIM / VA_WARPS_N must be a multiple of 
 static_assert(kThreads % kBlockN == 0 && kChunks % kLoadersPerRow == 0,
               "key-tile loaders must split rows evenly");
 #if VA_WGMMA
-static_assert(kBlockM == 64 && kBlockN == 64 && kWarpsM == 4 && kWarpsN == 2,
-              "VA_WGMMA needs 64 x 64 tiles and 4 x 2 warps (two warpgroups)");
+static_assert(kBlockM == 64 && kBlockN == 64 && kWarpsM == 4 && kWarpsN == 2 && kVDim == 512,
+              "VA_WGMMA needs 64 x 64 tiles, 4 x 2 warps (two warpgroups) and V_DIM 512");
 #endif
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
