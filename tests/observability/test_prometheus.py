@@ -269,19 +269,22 @@ def traffic(service: tuple[str, int], prometheus: Prometheus) -> Expected:
 
 def test_counters_give_the_known_acceptance_rate_and_mean_length(prometheus, traffic):
     accepted = traffic.length_sum - traffic.walks
-    rate = prometheus.scalar("sum(ddtree_accepted_tokens_total) / sum(ddtree_draft_nodes_total)")
+    rate = prometheus.scalar(
+        'sum(ddtree_accepted_tokens_total{model=""}) / sum(ddtree_draft_nodes_total{model=""})'
+    )
     assert rate == pytest.approx(accepted / traffic.draft_nodes)
     mean = prometheus.scalar(
-        "sum(ddtree_acceptance_length_sum) / sum(ddtree_acceptance_length_count)"
+        'sum(ddtree_acceptance_length_sum{model=""})'
+        ' / sum(ddtree_acceptance_length_count{model=""})'
     )
     assert mean == pytest.approx(traffic.length_sum / traffic.walks)
-    assert prometheus.scalar("sum(ddtree_trees_built_total)") == 15
+    assert prometheus.scalar('sum(ddtree_trees_built_total{model=""})') == 15
 
 
 def test_counters_give_the_known_budget_curve(prometheus, traffic):
     curve = prometheus.by_label(
-        "sum by (budget) (ddtree_budget_curve_acceptance_length_total)"
-        " / sum by (budget) (ddtree_budget_curve_walks_total)",
+        'sum by (budget) (ddtree_budget_curve_acceptance_length_total{model=""})'
+        ' / sum by (budget) (ddtree_budget_curve_walks_total{model=""})',
         "budget",
     )
     for b in LADDER:
@@ -295,7 +298,9 @@ def test_counters_give_the_known_budget_curve(prometheus, traffic):
 
 def test_recording_rules_give_the_same_known_values(prometheus, traffic):
     def rules_caught_up() -> dict[str, float] | None:
-        curve = prometheus.by_label("ddtree:budget_curve_acceptance_length:mean_5m", "budget")
+        curve = prometheus.by_label(
+            'ddtree:budget_curve_acceptance_length:mean_5m{model=""}', "budget"
+        )
         mean = prometheus.scalar('ddtree:acceptance_length:mean_5m{model=""}')
         if mean is None or not math.isclose(mean, traffic.length_sum / traffic.walks):
             return None
@@ -315,3 +320,25 @@ def test_rpc_metrics_count_every_call(prometheus, traffic):
     assert prometheus.scalar("sum(ddtree_rpc_in_flight_calls)") == 0
     build_info = prometheus.query("ddtree_build_info")
     assert build_info[0]["metric"]["backend"] == "reference"
+
+
+def test_the_model_label_of_a_call_reaches_prometheus(service, prometheus, traffic):
+    grpc_address, _ = service
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 3, 16, generator=generator)
+    with Client(grpc_address, default_timeout_s=30.0) as client:
+        tree = client.build_tree(logits, torch.tensor([1, 2]), 4, model="kimi-k2")
+        # The target agrees with nothing: each walk accepts the root only.
+        paths = [[0], [0]]
+        client.accept_tree(tree, _targets_for_paths(tree, paths, 16), model="kimi-k2")
+    # A scrape between the two calls may see the model's series at 0: wait for the walks.
+    _wait_for(
+        "the model's 2 walks",
+        lambda: (
+            True if prometheus.scalar('ddtree_verify_walks_total{model="kimi-k2"}') == 2 else None
+        ),
+    )
+    assert prometheus.scalar('ddtree_accepted_tokens_total{model="kimi-k2"}') == 0
+    assert prometheus.scalar('ddtree_trees_built_total{model="kimi-k2"}') == 2
+    # The unlabelled traffic is untouched.
+    assert prometheus.scalar('ddtree_verify_walks_total{model=""}') == traffic.walks
