@@ -182,3 +182,15 @@ def test_large_inline_tensors_round_trip(client: Client, step: Step) -> None:
     got = client.accept_tree(want, targets, kv_commit=KvCommit(cache, table, lens))
     assert_acceptances_equal(got, accepted)
     assert torch.equal(cache, want_cache)
+
+
+def test_reflection_lists_the_services(server: ServerThread) -> None:
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(server.addresses[0]) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        (response,) = list(stub.ServerReflectionInfo(iter([request]), timeout=10))
+    names = {s.name for s in response.list_services_response.service}
+    assert {"ddtree.v1.TreeSpeculationService", "grpc.health.v1.Health"} <= names
