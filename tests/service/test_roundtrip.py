@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers.service_inputs import BUDGET, V_DIM, Step, make_step
 from helpers.serving import ServerThread
 
@@ -185,9 +187,6 @@ def test_large_inline_tensors_round_trip(client: Client, step: Step) -> None:
 
 
 def test_reflection_lists_the_services(server: ServerThread) -> None:
-    import grpc
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
     with grpc.insecure_channel(server.addresses[0]) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
