@@ -78,6 +78,7 @@ def test_ci_value_sets_cover_default_daemonset_and_servicemonitor():
     assert [p.name for p in CI_VALUES] == [
         "daemonset-values.yaml",
         "default-values.yaml",
+        "ingress-values.yaml",
         "servicemonitor-values.yaml",
     ]
 
@@ -299,8 +300,33 @@ def test_service_exposes_the_grpc_and_metrics_ports_by_name(helm):
     ]
 
 
-def test_renders_no_servicemonitor_prometheusrule_or_pdb_by_default(helm):
-    assert not kinds(render(helm)) & {"ServiceMonitor", "PrometheusRule", "PodDisruptionBudget"}
+def test_renders_no_servicemonitor_prometheusrule_pdb_or_ingress_by_default(helm):
+    optional = {"ServiceMonitor", "PrometheusRule", "PodDisruptionBudget", "Ingress"}
+    assert not kinds(render(helm)) & optional
+
+
+def test_ingress_routes_its_hosts_to_the_grpc_port(helm):
+    ingress = only(render(helm, "-f", str(CHART / "ci" / "ingress-values.yaml")), "Ingress")
+    assert ingress["metadata"]["annotations"] == {
+        "nginx.ingress.kubernetes.io/backend-protocol": "GRPC"
+    }
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "ddtree.example.com"
+    assert rule["http"]["paths"] == [
+        {
+            "path": "/",
+            "pathType": "Prefix",
+            "backend": {"service": {"name": "rel-ddtree", "port": {"name": "grpc"}}},
+        }
+    ]
+    assert ingress["spec"]["tls"] == [{"hosts": ["ddtree.example.com"], "secretName": "ddtree-tls"}]
+
+
+def test_ingress_without_hosts_is_refused(helm):
+    result = _run_helm(helm, "template", "rel", str(CHART), "--set", "ingress.enabled=true")
+    assert result.returncode != 0
+    assert "ingress.hosts: give at least one host when ingress.enabled" in result.stderr
 
 
 def test_servicemonitor_scrapes_the_metrics_port_of_the_release(helm):
