@@ -132,8 +132,9 @@ class AcceptTreeResult:
 
     acceptance: Acceptance
     kv_cache: torch.Tensor | None
-    """The compacted cache (on ``result_device``) when a commit ran; else ``None``. It is the
-    caller's own tensor when that already lived on the engine's device and ``result_device``."""
+    """The compacted cache when a commit ran; else ``None``. It is the caller's own tensor,
+    compacted in place, when that already lived contiguous on the engine's device (for example
+    registered caller memory); otherwise a compacted copy on ``result_device``."""
 
 
 @dataclass(frozen=True)

@@ -746,7 +746,10 @@ class Engine:
         kv_cache = None
         if call.kv_commit is not None:
             kv_cache = self._commit_kv(call.kv_commit, acceptance, tree.batch_size)
-            kv_cache = self._result(kv_cache, call.result_device)
+            if kv_cache is not call.kv_commit.kv_cache:
+                # Compacted in a device copy (the caller's cache was elsewhere): carry it back.
+                # A cache compacted in place (registered caller memory) is never copied.
+                kv_cache = self._result(kv_cache, call.result_device)
         self._observer.observe_acceptance(
             acceptance.nodes, acceptance.length, tree.num_nodes, model=call.model
         )

@@ -33,6 +33,7 @@ from ddtree.service.config import ServiceConfig, parse_listen
 from ddtree.service.convert import TensorResolver
 from ddtree.service.engine import Engine, EngineObserver
 from ddtree.service.errors import DDTreeError, Internal, Overloaded
+from ddtree.service.memory import MemoryLimits
 from ddtree.service.metrics import Metrics, server_registry, start_metrics_http_server
 from ddtree.service.servicer import TreeSpeculationServicer
 from ddtree.v1 import tree_speculation_service_pb2 as pb
@@ -362,7 +363,15 @@ def create_server(
     )
     if engine is None:
         engine = Engine(
-            device=config.device, backend=config.backend, limits=limits, observer=engine_observer
+            device=config.device,
+            backend=config.backend,
+            limits=limits,
+            observer=engine_observer,
+            memory_limits=MemoryLimits(
+                max_regions=config.max_registered_regions,
+                max_bytes=config.max_registered_bytes,
+                idle_timeout_s=config.memory_idle_timeout_s,
+            ),
         )
     servers: list[Server] = []
     error_interceptor = ErrorMappingInterceptor(
@@ -378,8 +387,9 @@ def create_server(
             ("grpc.so_reuseport", 0),
         ],
     )
+    resolver = TensorResolver(engine.limits, engine.memory)
     pb_grpc.add_TreeSpeculationServiceServicer_to_server(
-        TreeSpeculationServicer(engine, config, TensorResolver(engine.limits)), grpc_server
+        TreeSpeculationServicer(engine, config, resolver), grpc_server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)

@@ -20,8 +20,6 @@ from ddtree.service.config import ServiceConfig
 from ddtree.service.engine import Engine
 from ddtree.service.errors import (
     DeadlineExceeded,
-    MemoryRegistrationUnsupported,
-    MemoryTokenNotFound,
 )
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
@@ -95,26 +93,32 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
     async def RegisterMemory(
         self, request: pb.RegisterMemoryRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterMemoryResponse:
-        """Refused: this server has no registered memory support."""
-        raise MemoryRegistrationUnsupported(
-            "register_memory: this server does not support registered memory; send tensors "
-            "inline (GetServerInfo.supports_memory_references is false)"
+        """Map the caller's CUDA IPC allocation; reply with its capability token."""
+        future = self._engine.register_memory(
+            request.ipc_handle, request.device_uuid, request.byte_size, request.client_id
         )
+        token, region = await self._await(future, self._budget_s(context))
+        return pb.RegisterMemoryResponse(region_token=token, byte_size=region.byte_size)
 
     async def UnregisterMemory(
         self, request: pb.UnregisterMemoryRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnregisterMemoryResponse:
-        """No region exists on this server, so every token is unknown."""
-        raise MemoryTokenNotFound(
-            "unregister_memory.region_token: unknown region token",
-            field="unregister_memory.region_token",
-        )
+        """Forget a region (its mapping closes when the calls using it end)."""
+        self._engine.unregister_memory(request.region_token)
+        return pb.UnregisterMemoryResponse()
 
     async def ListMemory(
         self, request: pb.ListMemoryRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListMemoryResponse:
-        """No region exists on this server: an empty list."""
-        return pb.ListMemoryResponse()
+        """The client's regions, without tokens."""
+        return pb.ListMemoryResponse(
+            regions=[
+                pb.MemoryRegion(
+                    region_id=r.region_id, device_uuid=r.device_uuid, byte_size=r.byte_size
+                )
+                for r in self._engine.list_memory(request.client_id)
+            ]
+        )
 
     async def BuildTree(
         self, request: pb.BuildTreeRequest, context: grpc.aio.ServicerContext
@@ -127,6 +131,8 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
             lambda: convert.build_tree_call(request, self._resolver, deadline_s=deadline_s),
         )
         tree = await self._await(self._engine.build_tree(call), budget_s)
+        if call.out is not None:
+            return pb.BuildTreeResponse(tree=convert.tree_refs_to_proto(request.outputs, tree))
         return pb.BuildTreeResponse(tree=convert.tree_to_proto(tree))
 
     async def AcceptTree(
@@ -141,15 +147,19 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         )
         result = await self._await(self._engine.accept_tree(call), budget_s)
 
+        cache_is_ref = request.kv_commit.kv_cache.WhichOneof("data") == "ref"
+
         def respond() -> pb.AcceptTreeResponse:
-            response = pb.AcceptTreeResponse(
-                acceptance=convert.acceptance_to_proto(result.acceptance)
-            )
-            if result.kv_cache is not None:
+            if call.out is not None:
+                acceptance = convert.acceptance_refs_to_proto(request.outputs, result.acceptance)
+            else:
+                acceptance = convert.acceptance_to_proto(result.acceptance)
+            response = pb.AcceptTreeResponse(acceptance=acceptance)
+            if result.kv_cache is not None and not cache_is_ref:
                 response.kv_cache.CopyFrom(convert.tensor_to_proto(result.kv_cache))
             return response
 
-        return await _convert(_nbytes(result.kv_cache), respond)
+        return await _convert(0 if cache_is_ref else _nbytes(result.kv_cache), respond)
 
     async def VerifyAttention(
         self, request: pb.VerifyAttentionRequest, context: grpc.aio.ServicerContext
@@ -162,9 +172,16 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
             lambda: convert.verify_attention_call(request, self._resolver, deadline_s=deadline_s),
         )
         out, lse = await self._await(self._engine.verify_attention(call), budget_s)
-        return await _convert(
-            _nbytes(out, lse),
-            lambda: pb.VerifyAttentionResponse(
-                out=convert.tensor_to_proto(out), lse=convert.tensor_to_proto(lse)
-            ),
-        )
+
+        def respond() -> pb.VerifyAttentionResponse:
+            return pb.VerifyAttentionResponse(
+                out=convert.tensor_to_proto(out)
+                if call.out is None
+                else convert.ref_tensor_to_proto(out, request.out_ref),
+                lse=convert.tensor_to_proto(lse)
+                if call.lse is None
+                else convert.ref_tensor_to_proto(lse, request.lse_ref),
+            )
+
+        inline = [t for t, dest in ((out, call.out), (lse, call.lse)) if dest is None]
+        return await _convert(_nbytes(*inline), respond)
