@@ -15,7 +15,7 @@ _SOURCES = ("pyproject.toml", "README.md", "proto", "kernels", "service", "clien
 
 
 @pytest.fixture(scope="module")
-def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+def wheel_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Names inside a wheel built from a copy of the source tree (the work tree stays clean)."""
     source = tmp_path_factory.mktemp("src")
     for name in _SOURCES:
@@ -44,7 +44,12 @@ def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
         timeout=300,
     )
     (wheel,) = out.glob("ddtree-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def wheel_names(wheel_path: Path, tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    with zipfile.ZipFile(wheel_path) as archive:
         names = set(archive.namelist())
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         (tmp_path_factory.getbasetemp() / "entry_points.txt").write_bytes(
@@ -104,3 +109,39 @@ def test_wheel_declares_the_ddtree_command(
 ) -> None:
     text = (tmp_path_factory.getbasetemp() / "entry_points.txt").read_text()
     assert "ddtree = ddtree.service.cli:main" in text
+
+
+_IMPORT_CHECK = """
+import importlib, importlib.resources, pathlib, sys
+import ddtree
+root = pathlib.Path(ddtree.__file__).resolve().parent
+assert root.is_relative_to(pathlib.Path(sys.prefix).resolve()), (root, sys.prefix)
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+kernels = importlib.resources.files("ddtree.kernels")
+assert any(p.name.endswith(".cu") for p in kernels.iterdir())
+assert importlib.resources.files("ddtree.v1").joinpath("tensor.proto").is_file()
+print("ok")
+"""
+
+
+def test_installed_wheel_imports_every_subpackage(wheel_path: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    # System site-packages provide the dependencies; the venv's own copy of ddtree comes first.
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--no-deps", str(wheel_path)],
+        check=True,
+        timeout=300,
+    )
+    packages = sorted(_source_packages())
+    result = subprocess.run(
+        [str(python), "-c", _IMPORT_CHECK, *packages],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
