@@ -1,13 +1,15 @@
 """Wire encoding shared by the remote clients: tensors, requests, responses and error details.
 
 Knows only the wire contract (``ddtree.v1``) and ``ddtree.kernels.types``; never the server.
+Tensors travel inline unless the request's ``refs`` (a ``ddtree.clients.cuda.RequestRefs``)
+gives a reference into registered memory for them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -34,13 +36,27 @@ _FROM_WIRE: dict[int, torch.dtype] = {int(v): k for k, v in _TO_WIRE.items()}
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
-def encode_tensor(tensor: torch.Tensor, field: str) -> tensor_pb2.Tensor:
-    """Encode ``tensor`` inline (little-endian, C order), copying it to the host if needed."""
+class TensorRefs(Protocol):
+    """Where the tensors of one request live in registered memory (``cuda.RequestRefs``)."""
+
+    def ref_for(self, tensor: torch.Tensor) -> tensor_pb2.TensorRef | None:
+        """The reference of ``tensor``, or ``None`` to send it inline."""
+        ...
+
+
+def encode_tensor(
+    tensor: torch.Tensor, field: str, refs: TensorRefs | None = None
+) -> tensor_pb2.Tensor:
+    """Encode ``tensor`` by reference when ``refs`` has one, else inline (little-endian, C
+    order, copied to the host if needed)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{field}: expected a torch.Tensor, got {type(tensor).__name__}")
     dtype = _TO_WIRE.get(tensor.dtype)
     if dtype is None:
         raise TypeError(f"{field}: dtype {tensor.dtype} cannot travel on the wire")
+    ref = None if refs is None else refs.ref_for(tensor)
+    if ref is not None:
+        return tensor_pb2.Tensor(dtype=dtype, shape=list(tensor.shape), ref=ref)
     host = tensor.detach().to("cpu").contiguous()
     byte_size = host.numel() * host.element_size()
     data = ctypes.string_at(host.data_ptr(), byte_size) if byte_size else b""
@@ -61,16 +77,47 @@ def decode_tensor(message: tensor_pb2.Tensor, device: torch.device) -> torch.Ten
     return host.to(device)
 
 
-def encode_tree(tree: Tree) -> tree_pb2.Tree:
-    """Encode a ``Tree`` inline."""
+def encode_tree(tree: Tree, refs: TensorRefs | None = None) -> tree_pb2.Tree:
+    """Encode a ``Tree`` (by reference where ``refs`` has one, else inline)."""
     return tree_pb2.Tree(
-        tokens=encode_tensor(tree.tokens, "tree.tokens"),
-        parents=encode_tensor(tree.parents, "tree.parents"),
-        depths=encode_tensor(tree.depths, "tree.depths"),
-        log_probs=encode_tensor(tree.log_probs, "tree.log_probs"),
-        num_nodes=encode_tensor(tree.num_nodes, "tree.num_nodes"),
-        mask=encode_tensor(tree.mask, "tree.mask"),
+        tokens=encode_tensor(tree.tokens, "tree.tokens", refs),
+        parents=encode_tensor(tree.parents, "tree.parents", refs),
+        depths=encode_tensor(tree.depths, "tree.depths", refs),
+        log_probs=encode_tensor(tree.log_probs, "tree.log_probs", refs),
+        num_nodes=encode_tensor(tree.num_nodes, "tree.num_nodes", refs),
+        mask=encode_tensor(tree.mask, "tree.mask", refs),
         draft_len=tree.draft_len,
+    )
+
+
+def _ref(refs: TensorRefs, tensor: torch.Tensor, field: str) -> tensor_pb2.TensorRef:
+    ref = refs.ref_for(tensor)
+    if ref is None:
+        raise ValueError(f"{field}: an output destination must be in registered memory")
+    return ref
+
+
+def tree_output_refs(tree: Tree, refs: TensorRefs) -> tree_pb2.TreeOutputRefs:
+    """Destinations for BuildTree: the six tensors of ``tree``, each registered."""
+    return tree_pb2.TreeOutputRefs(
+        tokens=_ref(refs, tree.tokens, "outputs.tokens"),
+        parents=_ref(refs, tree.parents, "outputs.parents"),
+        depths=_ref(refs, tree.depths, "outputs.depths"),
+        log_probs=_ref(refs, tree.log_probs, "outputs.log_probs"),
+        num_nodes=_ref(refs, tree.num_nodes, "outputs.num_nodes"),
+        mask=_ref(refs, tree.mask, "outputs.mask"),
+    )
+
+
+def acceptance_output_refs(
+    acceptance: Acceptance, refs: TensorRefs
+) -> tree_pb2.AcceptanceOutputRefs:
+    """Destinations for AcceptTree: the four tensors of ``acceptance``, each registered."""
+    return tree_pb2.AcceptanceOutputRefs(
+        nodes=_ref(refs, acceptance.nodes, "outputs.nodes"),
+        tokens=_ref(refs, acceptance.tokens, "outputs.tokens"),
+        length=_ref(refs, acceptance.length, "outputs.length"),
+        bonus=_ref(refs, acceptance.bonus, "outputs.bonus"),
     )
 
 
@@ -105,19 +152,29 @@ def build_tree_request(
     temperature: float,
     max_budget: int | None,
     model: str,
+    refs: TensorRefs | None = None,
+    outputs: Tree | None = None,
+    wait_event_ipc_handle: bytes = b"",
 ) -> pb.BuildTreeRequest:
-    """The BuildTree request for the client's arguments."""
+    """The BuildTree request for the client's arguments.
+
+    With ``refs``, registered tensors travel by reference; ``outputs`` (registered) asks the
+    server to write the tree there. Per-request budgets always travel inline.
+    """
     request = pb.BuildTreeRequest(
-        draft_logits=encode_tensor(draft_logits, "draft_logits"),
-        root_tokens=encode_tensor(root_tokens, "root_tokens"),
+        draft_logits=encode_tensor(draft_logits, "draft_logits", refs),
+        root_tokens=encode_tensor(root_tokens, "root_tokens", refs),
         temperature=temperature,
         max_budget=max_budget or 0,
         model=model,
+        wait_event_ipc_handle=wait_event_ipc_handle,
     )
     if isinstance(budget, torch.Tensor):
         request.budgets.CopyFrom(encode_tensor(budget, "budget"))
     else:
         request.budget = int(budget)
+    if outputs is not None and refs is not None:
+        request.outputs.CopyFrom(tree_output_refs(outputs, refs))
     return request
 
 
@@ -130,8 +187,14 @@ def accept_tree_request(
     seed: int | None,
     kv_commit: KvCommit | None,
     model: str,
+    refs: TensorRefs | None = None,
+    outputs: Acceptance | None = None,
+    wait_event_ipc_handle: bytes = b"",
 ) -> pb.AcceptTreeRequest:
-    """The AcceptTree request for the client's arguments (KV cache inline).
+    """The AcceptTree request for the client's arguments.
+
+    Tensors travel by reference where ``refs`` has one (a referenced KV cache is compacted in
+    place by the server), else inline; ``outputs`` (registered) receives the acceptance.
 
     Raises
     ------
@@ -146,31 +209,47 @@ def accept_tree_request(
             reason="MISSING_FIELD",
             field="accept_tree.target",
         )
-    request = pb.AcceptTreeRequest(tree=encode_tree(tree), temperature=temperature, model=model)
+    request = pb.AcceptTreeRequest(
+        tree=encode_tree(tree, refs),
+        temperature=temperature,
+        model=model,
+        wait_event_ipc_handle=wait_event_ipc_handle,
+    )
     if target_tokens is not None:
-        request.target_tokens.CopyFrom(encode_tensor(target_tokens, "target_tokens"))
+        request.target_tokens.CopyFrom(encode_tensor(target_tokens, "target_tokens", refs))
     if target_logits is not None:
-        request.target_logits.CopyFrom(encode_tensor(target_logits, "target_logits"))
+        request.target_logits.CopyFrom(encode_tensor(target_logits, "target_logits", refs))
     if seed is not None:
         request.seed = seed
     if kv_commit is not None:
         request.kv_commit.CopyFrom(
             pb.KvCommit(
-                kv_cache=encode_tensor(kv_commit.kv_cache, "kv_commit.kv_cache"),
-                block_table=encode_tensor(kv_commit.block_table, "kv_commit.block_table"),
-                prefix_lens=encode_tensor(kv_commit.prefix_lens, "kv_commit.prefix_lens"),
+                kv_cache=encode_tensor(kv_commit.kv_cache, "kv_commit.kv_cache", refs),
+                block_table=encode_tensor(kv_commit.block_table, "kv_commit.block_table", refs),
+                prefix_lens=encode_tensor(kv_commit.prefix_lens, "kv_commit.prefix_lens", refs),
             )
         )
+    if outputs is not None and refs is not None:
+        request.outputs.CopyFrom(acceptance_output_refs(outputs, refs))
     return request
 
 
 def finish_accept_tree(
-    response: pb.AcceptTreeResponse, tree: Tree, kv_commit: KvCommit | None
+    response: pb.AcceptTreeResponse,
+    tree: Tree,
+    kv_commit: KvCommit | None,
+    outputs: Acceptance | None = None,
 ) -> Acceptance:
-    """Decode the acceptance and copy a returned KV cache into the caller's tensor in place."""
+    """Decode the acceptance and copy a returned KV cache into the caller's tensor in place.
+
+    With ``outputs`` (the server wrote the acceptance into them) they are the result; a cache
+    sent by reference was compacted in place by the server and is not returned.
+    """
     if kv_commit is not None and response.HasField("kv_cache"):
         compacted = decode_tensor(response.kv_cache, kv_commit.kv_cache.device)
         kv_commit.kv_cache.copy_(compacted)
+    if outputs is not None:
+        return outputs
     return decode_acceptance(response.acceptance, tree.device)
 
 
@@ -184,19 +263,28 @@ def verify_attention_request(
     v_dim: int,
     sm_scale: float | None,
     model: str,
+    refs: TensorRefs | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    wait_event_ipc_handle: bytes = b"",
 ) -> pb.VerifyAttentionRequest:
-    """The VerifyAttention request for the client's arguments."""
+    """The VerifyAttention request; ``out`` / ``lse`` (registered) receive the results."""
     request = pb.VerifyAttentionRequest(
-        q=encode_tensor(q, "q"),
-        kv_cache=encode_tensor(kv_cache, "kv_cache"),
-        block_table=encode_tensor(block_table, "block_table"),
-        prefix_lens=encode_tensor(prefix_lens, "prefix_lens"),
-        tree=encode_tree(tree),
+        q=encode_tensor(q, "q", refs),
+        kv_cache=encode_tensor(kv_cache, "kv_cache", refs),
+        block_table=encode_tensor(block_table, "block_table", refs),
+        prefix_lens=encode_tensor(prefix_lens, "prefix_lens", refs),
+        tree=encode_tree(tree, refs),
         v_dim=v_dim,
         model=model,
+        wait_event_ipc_handle=wait_event_ipc_handle,
     )
     if sm_scale is not None:
         request.sm_scale = sm_scale
+    if out is not None and refs is not None:
+        request.out_ref.CopyFrom(_ref(refs, out, "out"))
+    if lse is not None and refs is not None:
+        request.lse_ref.CopyFrom(_ref(refs, lse, "lse"))
     return request
 
 

@@ -1,0 +1,349 @@
+"""Export torch CUDA tensors to a ddtree server on the same node by CUDA IPC (the ``cuda`` extra).
+
+A tensor travels as a reference ``(region_token, offset_bytes, dtype, shape)`` into an
+allocation the client registered once with ``RegisterMemory``. torch's caching allocator
+sub-allocates tensors out of large ``cudaMalloc`` segments, so the unit of registration is the
+segment: ``locate`` finds a tensor's allocation base and offset with ``cuMemGetAddressRange``,
+``ipc_mem_handle`` exports the base with ``cuIpcGetMemHandle``, and a ``MemoryRegistry`` keeps
+one token per allocation (keyed by the driver's never-reused buffer id) for every later call.
+
+Export is impossible, and refused with an ``ExportError`` that says why, for CPU tensors, for
+memory of the ``cudaMallocAsync`` allocator backend and for expandable segments
+(``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): neither is a legacy-IPC-capable
+``cudaMalloc`` allocation. The remote clients fall back to inline tensors only when asked to
+(``tensor_transport="auto"``).
+
+cuda-python is imported lazily, on first use, so ``ddtree.clients`` imports with the base
+dependencies alone; ``require_cuda_python`` names the extra to install when it is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import secrets
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+import torch
+
+from ddtree.v1 import tensor_pb2
+
+__all__ = [
+    "IPC_HANDLE_BYTES",
+    "Allocation",
+    "ExportError",
+    "MemoryRegistry",
+    "RequestRefs",
+    "TensorTransport",
+    "device_uuid",
+    "ipc_mem_handle",
+    "locate",
+    "require_cuda_python",
+]
+
+IPC_HANDLE_BYTES = 64
+"""Size of a ``cudaIpcMemHandle_t``."""
+
+TensorTransport = Literal["inline", "ipc", "auto"]
+"""How a remote client sends tensors: ``"inline"`` bytes always; ``"ipc"`` CUDA tensors by
+reference, failing where that is impossible; ``"auto"`` by reference where possible, else
+inline."""
+
+_EXTRA = "pip install 'ddtree[cuda]'"
+
+
+class ExportError(ValueError):
+    """A tensor cannot travel by CUDA IPC reference; the message says why and what to do."""
+
+
+def require_cuda_python() -> ModuleType:
+    """The ``cuda.bindings.driver`` module.
+
+    Raises
+    ------
+    ImportError
+        cuda-python is not installed; the message names the ``cuda`` extra.
+    """
+    try:
+        from cuda.bindings import driver
+    except ImportError as err:
+        raise ImportError(
+            "ddtree.clients.cuda needs cuda-python (cuda-bindings) to export GPU tensors by "
+            f"CUDA IPC; install the extra: {_EXTRA}"
+        ) from err
+    return driver
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One ``cudaMalloc`` allocation (a caching-allocator segment) holding tensors."""
+
+    device_uuid: str
+    """GPU UUID (``"GPU-..."``), as the server names its device."""
+    base_pointer: int
+    """Device address of the allocation's first byte."""
+    byte_size: int
+    """Bytes of the allocation."""
+    buffer_id: int
+    """The driver's id of the allocation, never reused within the process."""
+
+
+@functools.cache
+def device_uuid(index: int) -> str:
+    """UUID (``"GPU-..."``) of CUDA device ``index`` as the server reports it."""
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+
+
+def _check(driver: ModuleType, result: Any, what: str) -> Any:
+    err, *values = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ExportError(f"{what} failed with {getattr(err, 'name', err)}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _ensure_context(driver: ModuleType, index: int) -> None:
+    # Driver calls need a current context; torch's runtime makes the primary context current
+    # on threads that used the device, other threads get it here.
+    context = _check(driver, driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if context is not None and int(context) != 0:
+        return
+    cu_device = _check(driver, driver.cuDeviceGet(index), "cuDeviceGet")
+    primary = _check(driver, driver.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain")
+    _check(driver, driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+
+
+def _refusal_hint() -> str:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" in conf.lower().replace(" ", ""):
+        return (
+            "PYTORCH_CUDA_ALLOC_CONF enables expandable_segments, whose memory cannot be "
+            "exported by CUDA IPC handles; run the caller without expandable_segments"
+        )
+    return (
+        "the allocation is not legacy-IPC capable (expandable segments, a memory pool or a "
+        "virtual-memory allocation); allocate the tensor with torch's native cudaMalloc "
+        "allocator"
+    )
+
+
+def locate(tensor: torch.Tensor, field: str = "tensor") -> tuple[Allocation, int]:
+    """The allocation holding ``tensor`` and the tensor's byte offset in it.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        A C-contiguous CUDA tensor with at least one element.
+    field : str
+        Name used in error messages.
+
+    Returns
+    -------
+    tuple of (Allocation, int)
+        The allocation and ``offset_bytes`` of ``tensor.data_ptr()`` from its base.
+
+    Raises
+    ------
+    ExportError
+        A CPU, empty or non-contiguous tensor, memory of the ``cudaMallocAsync`` backend or of
+        expandable segments, or a driver failure.
+    ImportError
+        cuda-python is missing (the ``cuda`` extra).
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
+        where = tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ExportError(
+            f"{field}: CUDA IPC exports CUDA tensors only, got one on {where}; move it to the "
+            "GPU or send it inline"
+        )
+    if tensor.numel() == 0:
+        raise ExportError(f"{field}: an empty tensor has no memory to export; send it inline")
+    if not tensor.is_contiguous():
+        raise ExportError(f"{field}: expected a C-contiguous tensor; pass {field}.contiguous()")
+    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        raise ExportError(
+            f"{field}: torch uses the cudaMallocAsync allocator backend "
+            "(PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), whose pool memory cannot be "
+            "exported by CUDA IPC handles; run the caller with the native allocator"
+        )
+    driver = require_cuda_python()
+    index = tensor.device.index if tensor.device.index is not None else 0
+    pointer = tensor.data_ptr()
+    with torch.cuda.device(index):
+        _ensure_context(driver, index)
+        cu_pointer = driver.CUdeviceptr(pointer)
+        base, size = _check(driver, driver.cuMemGetAddressRange(cu_pointer), "cuMemGetAddressRange")
+        attributes = driver.CUpointer_attribute
+        capable = _check(
+            driver,
+            driver.cuPointerGetAttribute(
+                attributes.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, pointer
+            ),
+            "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
+        )
+        if not capable:
+            raise ExportError(f"{field}: {_refusal_hint()}")
+        buffer_id = _check(
+            driver,
+            driver.cuPointerGetAttribute(attributes.CU_POINTER_ATTRIBUTE_BUFFER_ID, pointer),
+            "cuPointerGetAttribute(BUFFER_ID)",
+        )
+    allocation = Allocation(device_uuid(index), int(base), int(size), int(buffer_id))
+    return allocation, pointer - allocation.base_pointer
+
+
+def ipc_mem_handle(allocation: Allocation, device_index: int) -> bytes:
+    """The 64-byte ``cudaIpcMemHandle_t`` of ``allocation`` (on CUDA device ``device_index``).
+
+    Raises
+    ------
+    ExportError
+        ``cuIpcGetMemHandle`` failed (for example on memory that is not IPC capable).
+    """
+    driver = require_cuda_python()
+    with torch.cuda.device(device_index):
+        _ensure_context(driver, device_index)
+        err, handle = driver.cuIpcGetMemHandle(driver.CUdeviceptr(allocation.base_pointer))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ExportError(f"cuIpcGetMemHandle failed with {err.name}: {_refusal_hint()}")
+    return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
+class MemoryRegistry:
+    """The allocations one client registered with one server, and their tokens.
+
+    Parameters
+    ----------
+    client_id : str, optional
+        Identity sent with every registration (``ListMemory`` groups by it), ``<= 64`` chars of
+        ``[A-Za-z0-9_.:-]``; by default ``"py-<pid>-<random>"``.
+
+    Notes
+    -----
+    Thread-safe. Tokens are capabilities: the registry never logs them.
+    """
+
+    def __init__(self, client_id: str | None = None) -> None:
+        self.client_id = client_id or f"py-{os.getpid()}-{secrets.token_hex(4)}"
+        self._lock = threading.Lock()
+        self._tokens: dict[tuple[str, int], tuple[Allocation, str]] = {}
+
+    def token(self, allocation: Allocation) -> str | None:
+        """The token of ``allocation``, or ``None`` when it is not registered."""
+        with self._lock:
+            entry = self._tokens.get((allocation.device_uuid, allocation.buffer_id))
+        return None if entry is None else entry[1]
+
+    def add(self, allocation: Allocation, token: str) -> list[str]:
+        """Remember ``token`` for ``allocation``; returns tokens of stale registrations.
+
+        A registered allocation that overlaps the new one on the same device was freed by the
+        caller's allocator (its address range was reused); its token is dropped here and
+        returned so that the client can unregister it and release the server's mapping.
+        """
+        stale = []
+        end = allocation.base_pointer + allocation.byte_size
+        with self._lock:
+            for key, (old, old_token) in list(self._tokens.items()):
+                if old.device_uuid != allocation.device_uuid:
+                    continue
+                old_end = old.base_pointer + old.byte_size
+                if old.base_pointer < end and allocation.base_pointer < old_end:
+                    del self._tokens[key]
+                    stale.append(old_token)
+            self._tokens[(allocation.device_uuid, allocation.buffer_id)] = (allocation, token)
+        return stale
+
+    def clear(self) -> list[str]:
+        """Forget every registration (after a server restart); returns their tokens."""
+        with self._lock:
+            tokens = [token for _, token in self._tokens.values()]
+            self._tokens.clear()
+        return tokens
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tokens)
+
+
+class RequestRefs:
+    """How the tensors of one request travel: a reference each where possible.
+
+    Parameters
+    ----------
+    registry : MemoryRegistry
+        The client's registrations.
+    transport : {"ipc", "auto"}
+        ``"ipc"`` raises ``ExportError`` for a tensor that cannot be exported; ``"auto"`` sends
+        it inline.
+    server_device_uuid : str
+        The server's GPU; tensors on another GPU cannot be referenced.
+    """
+
+    def __init__(
+        self, registry: MemoryRegistry, transport: TensorTransport, server_device_uuid: str
+    ) -> None:
+        self._registry = registry
+        self._transport = transport
+        self._server_uuid = server_device_uuid
+        self._where: dict[int, tuple[Allocation, int]] = {}
+        self._devices: set[int] = set()
+
+    def add(self, tensors: Iterable[tuple[str, torch.Tensor | None]]) -> None:
+        """Locate each ``(field, tensor)``; tensors that cannot be exported stay inline (auto).
+
+        Raises
+        ------
+        ExportError
+            With ``transport="ipc"``, a tensor that cannot be exported or lives on another GPU
+            than the server's.
+        """
+        for field, tensor in tensors:
+            if tensor is None or tensor.numel() == 0:
+                continue
+            try:
+                allocation, offset = locate(tensor, field)
+                if allocation.device_uuid != self._server_uuid:
+                    raise ExportError(
+                        f"{field}: the tensor is on {allocation.device_uuid}, the server on "
+                        f"{self._server_uuid}; CUDA IPC references need the server's GPU"
+                    )
+            except ExportError:
+                if self._transport == "ipc":
+                    raise
+                continue
+            self._where[id(tensor)] = (allocation, offset)
+            self._devices.add(tensor.device.index or 0)
+
+    def is_ref(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` travels by reference."""
+        return id(tensor) in self._where
+
+    @property
+    def device_indices(self) -> set[int]:
+        """CUDA devices (by this process's ordinal) of the referenced tensors."""
+        return set(self._devices)
+
+    def missing(self) -> list[Allocation]:
+        """Allocations of this request not yet registered, each once."""
+        seen: dict[tuple[str, int], Allocation] = {}
+        for allocation, _ in self._where.values():
+            key = (allocation.device_uuid, allocation.buffer_id)
+            if key not in seen and self._registry.token(allocation) is None:
+                seen[key] = allocation
+        return list(seen.values())
+
+    def ref_for(self, tensor: torch.Tensor) -> tensor_pb2.TensorRef | None:
+        """The wire reference of ``tensor``, or ``None`` to send it inline."""
+        where = self._where.get(id(tensor))
+        if where is None:
+            return None
+        allocation, offset = where
+        token = self._registry.token(allocation)
+        if token is None:
+            raise RuntimeError("RequestRefs.ref_for: register missing() allocations first")
+        return tensor_pb2.TensorRef(region_token=token, offset_bytes=offset)
