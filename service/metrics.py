@@ -727,7 +727,8 @@ class Metrics:
         Runs before every scrape and whenever ``batch`` observations have queued up.
         """
         with self._lock:
-            ready, keep = [], collections.deque()
+            ready: list[_Pending] = []
+            keep: collections.deque[_Pending] = collections.deque()
             for item in self._pending:
                 (ready if item.is_ready() else keep).append(item)
             self._pending = keep
