@@ -32,10 +32,12 @@ from typing import Any, Literal
 import torch
 
 from ddtree.v1 import tensor_pb2
+from ddtree.v1 import tree_speculation_service_pb2 as pb
 
 __all__ = [
     "IPC_HANDLE_BYTES",
     "Allocation",
+    "ClientIpc",
     "ExportError",
     "MemoryRegistry",
     "RequestRefs",
@@ -347,3 +349,122 @@ class RequestRefs:
         if token is None:
             raise RuntimeError("RequestRefs.ref_for: register missing() allocations first")
         return tensor_pb2.TensorRef(region_token=token, offset_bytes=offset)
+
+
+class ClientIpc:
+    """The CUDA IPC side of one remote client: its registry, the server's GPU, input ordering.
+
+    Parameters
+    ----------
+    transport : {"ipc", "auto"}
+        See ``TensorTransport``.
+    client_id : str, optional
+        Sent with registrations (``MemoryRegistry``).
+    use_ipc_events : bool
+        Order inputs with an interprocess CUDA event recorded on the current stream, which the
+        server's stream waits on; ``False`` synchronises the current stream on the host instead.
+
+    Raises
+    ------
+    ImportError
+        cuda-python is missing (the ``cuda`` extra).
+    """
+
+    def __init__(
+        self, transport: TensorTransport, client_id: str | None, use_ipc_events: bool
+    ) -> None:
+        if transport not in ("ipc", "auto"):
+            raise ValueError(f"tensor_transport: expected 'ipc' or 'auto', got {transport!r}")
+        require_cuda_python()
+        self.transport: TensorTransport = transport
+        self.registry = MemoryRegistry(client_id)
+        self.use_ipc_events = use_ipc_events
+        self.server_uuid: str | None = None
+        self.server_supports_refs = False
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._event_handles: dict[int, bytes] = {}
+
+    @property
+    def knows_server(self) -> bool:
+        """Whether ``set_server`` has run since the last ``forget_server``."""
+        return self.server_uuid is not None
+
+    def set_server(self, supports_memory_references: bool, device_uuids: Iterable[str]) -> None:
+        """Record what GetServerInfo said: reference support and the server's GPU."""
+        uuids = list(device_uuids)
+        self.server_supports_refs = supports_memory_references and bool(uuids)
+        self.server_uuid = uuids[0] if uuids else ""
+
+    def forget_server(self) -> list[str]:
+        """The server forgot our regions (restart): drop every token and the server's facts."""
+        self.server_uuid = None
+        return self.registry.clear()
+
+    def refs(self, tensors: Iterable[tuple[str, torch.Tensor | None]]) -> RequestRefs | None:
+        """References for a request's tensors; ``None`` to send everything inline (auto).
+
+        Raises
+        ------
+        ExportError
+            ``transport="ipc"`` and a tensor cannot be exported, or the server has no registered
+            memory support.
+        """
+        if not self.server_supports_refs:
+            if self.transport == "ipc":
+                raise ExportError(
+                    "tensor_transport='ipc' but the server does not support memory references "
+                    "(it runs on the CPU or without cuda-python); use 'auto' or 'inline'"
+                )
+            return None
+        refs = RequestRefs(self.registry, self.transport, self.server_uuid or "")
+        refs.add(tensors)
+        return refs
+
+    def register_request(self, allocation: Allocation) -> pb.RegisterMemoryRequest:
+        """The RegisterMemory request of ``allocation`` (exports its IPC handle)."""
+        handle = ipc_mem_handle(allocation, _device_index(allocation.device_uuid))
+        return pb.RegisterMemoryRequest(
+            ipc_handle=handle,
+            device_uuid=allocation.device_uuid,
+            byte_size=allocation.byte_size,
+            client_id=self.registry.client_id,
+        )
+
+    @staticmethod
+    def uses(refs: RequestRefs | None, outputs: Iterable[torch.Tensor]) -> bool:
+        """Whether every output destination travels by reference (else results come inline)."""
+        outputs = list(outputs)
+        return refs is not None and bool(outputs) and all(refs.is_ref(t) for t in outputs)
+
+    def order_inputs(self, refs: RequestRefs | None) -> bytes:
+        """Make the referenced tensors' pending writes visible to the server.
+
+        Returns the IPC event handle to send (``use_ipc_events``), else ``b""`` after
+        synchronising the current stream of the tensors' device.
+        """
+        if refs is None:
+            return b""
+        handle = b""
+        for index in refs.device_indices:
+            stream = torch.cuda.current_stream(index)
+            if not self.use_ipc_events:
+                stream.synchronize()
+                continue
+            event = self._events.get(index)
+            if event is None:
+                with torch.cuda.device(index):
+                    event = torch.cuda.Event(interprocess=True)
+                self._events[index] = event
+            event.record(stream)
+            if index not in self._event_handles:
+                self._event_handles[index] = bytes(event.ipc_handle())
+            handle = self._event_handles[index]
+        return handle
+
+
+@functools.cache
+def _device_index(uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == uuid:
+            return index
+    raise ExportError(f"no visible CUDA device has UUID {uuid}")

@@ -1,7 +1,12 @@
 """Remote clients of ``ddtree.v1.TreeSpeculationService``: ``Client`` (sync), ``AsyncClient``.
 
-Connect by ``host:port`` or ``unix:/path``. Tensors travel inline; results come back on the
-device of the call's main input (``draft_logits``, ``tree``, ``q``). Every call takes a
+Connect by ``host:port`` or ``unix:/path``. Tensors travel inline by default; results come back
+on the device of the call's main input (``draft_logits``, ``tree``, ``q``). With
+``tensor_transport="ipc"`` (or ``"auto"``) a client on the server's node sends CUDA tensors as
+references into memory it registered once by CUDA IPC (``ddtree.clients.cuda``), the server
+writes results straight into fresh tensors of the caller's, and a KV cache is compacted in place;
+when the server has forgotten the registrations (restart) the client registers again and retries
+once, transparently. Every call takes a
 ``timeout_s`` (default ``default_timeout_s``), which is the deadline for all attempts together.
 Only UNAVAILABLE and RESOURCE_EXHAUSTED are retried, only for idempotent RPCs, with jittered
 exponential back-off (at least the server's ``RetryInfo`` delay) and a retry budget shared by
@@ -14,19 +19,26 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 import torch
 
 from ddtree.clients import _wire
-from ddtree.clients.errors import DDTreeClientError, DeadlineExceededError
-from ddtree.clients.types import KvCommit, ServerInfo
-from ddtree.kernels.types import Acceptance, Tree
+from ddtree.clients.errors import (
+    DDTreeClientError,
+    DeadlineExceededError,
+    MemoryTokenNotFoundError,
+)
+from ddtree.clients.types import KvCommit, MemoryRegion, ServerInfo
+from ddtree.kernels.types import Acceptance, Tree, mask_words
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from ddtree.clients.cuda import ClientIpc, RequestRefs
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "AsyncClient", "Client", "RetryPolicy"]
 
@@ -36,6 +48,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 _RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
 _HEALTH_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 _T = TypeVar("_T")
+_TRANSPORTS = ("inline", "ipc", "auto")
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,224 @@ class _Plan:
         )
 
 
+def _make_ipc(transport: str, client_id: str | None, use_ipc_events: bool) -> ClientIpc | None:
+    if transport not in _TRANSPORTS:
+        raise ValueError(f"tensor_transport: expected one of {_TRANSPORTS}, got {transport!r}")
+    if transport == "inline":
+        return None
+    from ddtree.clients.cuda import ClientIpc
+
+    return ClientIpc(transport, client_id, use_ipc_events)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Op(Generic[_T]):
+    """One data RPC: its tensors, optional destinations, request maker and result decoder."""
+
+    tensors: list[tuple[str, torch.Tensor | None]]
+    """Tensors that may travel by reference (inputs and destinations)."""
+    outputs: tuple[torch.Tensor, ...]
+    """Destinations the server writes the results into when they travel by reference."""
+    make: Callable[[RequestRefs | None, bool, bytes], Any]
+    """``(refs, use_outputs, wait_event_ipc_handle) -> request``."""
+    finish: Callable[[Any, bool], _T]
+    """``(response, use_outputs) -> result``."""
+    idempotent: bool
+
+
+def _fields(prefix: str, names: Sequence[str], values: Sequence[torch.Tensor]) -> list[Any]:
+    return [(f"{prefix}.{n}", v) for n, v in zip(names, values, strict=True)]
+
+
+_TREE_NAMES = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
+_ACCEPTANCE_NAMES = ("nodes", "tokens", "length", "bonus")
+
+
+def _tree_tensors(prefix: str, tree: Tree) -> list[Any]:
+    return _fields(prefix, _TREE_NAMES, [getattr(tree, n) for n in _TREE_NAMES])
+
+
+def _build_tree_op(
+    ipc: ClientIpc | None,
+    draft_logits: torch.Tensor,
+    root_tokens: torch.Tensor,
+    budget: int | torch.Tensor,
+    *,
+    temperature: float,
+    max_budget: int | None,
+    model: str,
+) -> _Op[Tree]:
+    outputs = None
+    if ipc is not None and draft_logits.is_cuda and draft_logits.dim() == 3:
+        largest = max_budget or (int(budget.max()) if isinstance(budget, torch.Tensor) else budget)
+        if 1 <= largest <= 1024:
+            batch_size, draft_len, _ = draft_logits.shape
+            pair = (batch_size, 1 + largest)
+            device = draft_logits.device
+            outputs = Tree(
+                tokens=torch.empty(pair, dtype=torch.int64, device=device),
+                parents=torch.empty(pair, dtype=torch.int32, device=device),
+                depths=torch.empty(pair, dtype=torch.int32, device=device),
+                log_probs=torch.empty(pair, dtype=torch.float32, device=device),
+                num_nodes=torch.empty(batch_size, dtype=torch.int32, device=device),
+                mask=torch.empty(
+                    (*pair, mask_words(1 + largest)), dtype=torch.int64, device=device
+                ),
+                draft_len=draft_len,
+            )
+
+    def make(refs: RequestRefs | None, use_outputs: bool, wait: bytes) -> pb.BuildTreeRequest:
+        return _wire.build_tree_request(
+            draft_logits,
+            root_tokens,
+            budget,
+            temperature=temperature,
+            max_budget=max_budget,
+            model=model,
+            refs=refs,
+            outputs=outputs if use_outputs else None,
+            wait_event_ipc_handle=wait,
+        )
+
+    def finish(response: pb.BuildTreeResponse, use_outputs: bool) -> Tree:
+        if use_outputs and outputs is not None:
+            return outputs
+        return _wire.decode_tree(response.tree, draft_logits.device)
+
+    tensors = [("draft_logits", draft_logits), ("root_tokens", root_tokens)]
+    if outputs is not None:
+        tensors += _tree_tensors("outputs", outputs)
+    return _Op(
+        tensors=tensors,
+        outputs=() if outputs is None else tuple(getattr(outputs, n) for n in _TREE_NAMES),
+        make=make,
+        finish=finish,
+        idempotent=True,
+    )
+
+
+def _accept_tree_op(
+    ipc: ClientIpc | None,
+    tree: Tree,
+    target_tokens: torch.Tensor | None,
+    *,
+    target_logits: torch.Tensor | None,
+    temperature: float,
+    seed: int | None,
+    kv_commit: KvCommit | None,
+    model: str,
+) -> _Op[Acceptance]:
+    outputs = None
+    if ipc is not None and tree.tokens.is_cuda and tree.tokens.dim() == 2:
+        path = (tree.tokens.shape[0], tree.draft_len + 1)
+        device = tree.tokens.device
+        outputs = Acceptance(
+            nodes=torch.empty(path, dtype=torch.int32, device=device),
+            tokens=torch.empty(path, dtype=torch.int64, device=device),
+            length=torch.empty(path[0], dtype=torch.int32, device=device),
+            bonus=torch.empty(path[0], dtype=torch.int64, device=device),
+        )
+
+    def make(refs: RequestRefs | None, use_outputs: bool, wait: bytes) -> pb.AcceptTreeRequest:
+        return _wire.accept_tree_request(
+            tree,
+            target_tokens,
+            target_logits=target_logits,
+            temperature=temperature,
+            seed=seed,
+            kv_commit=kv_commit,
+            model=model,
+            refs=refs,
+            outputs=outputs if use_outputs else None,
+            wait_event_ipc_handle=wait,
+        )
+
+    def finish(response: pb.AcceptTreeResponse, use_outputs: bool) -> Acceptance:
+        return _wire.finish_accept_tree(response, tree, kv_commit, outputs if use_outputs else None)
+
+    tensors: list[tuple[str, torch.Tensor | None]] = _tree_tensors("tree", tree)
+    tensors += [("target_tokens", target_tokens), ("target_logits", target_logits)]
+    if kv_commit is not None:
+        tensors += [
+            ("kv_commit.kv_cache", kv_commit.kv_cache),
+            ("kv_commit.block_table", kv_commit.block_table),
+            ("kv_commit.prefix_lens", kv_commit.prefix_lens),
+        ]
+    if outputs is not None:
+        tensors += _fields(
+            "outputs", _ACCEPTANCE_NAMES, [getattr(outputs, n) for n in _ACCEPTANCE_NAMES]
+        )
+    return _Op(
+        tensors=tensors,
+        outputs=() if outputs is None else tuple(getattr(outputs, n) for n in _ACCEPTANCE_NAMES),
+        make=make,
+        finish=finish,
+        # A cache compacted in place must not be compacted twice by a retry.
+        idempotent=kv_commit is None or ipc is None,
+    )
+
+
+def _verify_attention_op(
+    ipc: ClientIpc | None,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree: Tree,
+    *,
+    v_dim: int,
+    sm_scale: float | None,
+    model: str,
+) -> _Op[tuple[torch.Tensor, torch.Tensor]]:
+    out = lse = None
+    if ipc is not None and q.is_cuda and q.dim() == 4:
+        heads = tuple(q.shape[:3])
+        out = torch.empty((*heads, v_dim), dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty(heads, dtype=torch.float32, device=q.device)
+
+    def make(refs: RequestRefs | None, use_outputs: bool, wait: bytes) -> pb.VerifyAttentionRequest:
+        return _wire.verify_attention_request(
+            q,
+            kv_cache,
+            block_table,
+            prefix_lens,
+            tree,
+            v_dim=v_dim,
+            sm_scale=sm_scale,
+            model=model,
+            refs=refs,
+            out=out if use_outputs else None,
+            lse=lse if use_outputs else None,
+            wait_event_ipc_handle=wait,
+        )
+
+    def finish(
+        response: pb.VerifyAttentionResponse, use_outputs: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if use_outputs and out is not None and lse is not None:
+            return out, lse
+        return _wire.decode_tensor(response.out, q.device), _wire.decode_tensor(
+            response.lse, q.device
+        )
+
+    tensors: list[tuple[str, torch.Tensor | None]] = [
+        ("q", q),
+        ("kv_cache", kv_cache),
+        ("block_table", block_table),
+        ("prefix_lens", prefix_lens),
+        *_tree_tensors("tree", tree),
+    ]
+    outputs: tuple[torch.Tensor, ...] = ()
+    if out is not None and lse is not None:
+        tensors += [("out", out), ("lse", lse)]
+        outputs = (out, lse)
+    return _Op(tensors=tensors, outputs=outputs, make=make, finish=finish, idempotent=True)
+
+
+def _memory_regions(response: pb.ListMemoryResponse) -> list[MemoryRegion]:
+    return [MemoryRegion(r.region_id, r.device_uuid, r.byte_size) for r in response.regions]
+
+
 class Client:
     """Synchronous client of a ddtree server.
 
@@ -173,6 +404,17 @@ class Client:
         Retries of idempotent calls on UNAVAILABLE / RESOURCE_EXHAUSTED.
     max_message_bytes : int
         Largest message sent or accepted; keep it at or below the server's limit.
+    tensor_transport : {"inline", "ipc", "auto"}
+        ``"inline"``: tensor bytes travel in the messages (any caller, any node). ``"ipc"``:
+        CUDA tensors travel as references into memory registered by CUDA IPC (same node, shared
+        IPC namespace; needs the ``cuda`` extra); a tensor that cannot be exported raises
+        ``ddtree.clients.cuda.ExportError``. ``"auto"``: references where possible, inline
+        otherwise. See docs/ipc.md for the ordering contract.
+    client_id : str, optional
+        Identity of this client's registrations (``list_memory``); default ``py-<pid>-<hex>``.
+    use_ipc_events : bool
+        With references, order the caller's pending writes by an interprocess CUDA event that
+        the server's stream waits on, instead of synchronising the caller's current stream.
 
     Examples
     --------
@@ -188,19 +430,80 @@ class Client:
         default_timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tensor_transport: str = "inline",
+        client_id: str | None = None,
+        use_ipc_events: bool = False,
     ) -> None:
         self.address = address
         self.default_timeout_s = default_timeout_s
         self._retry = retry or RetryPolicy()
         self._budget = _RetryBudget(self._retry)
+        self._ipc = _make_ipc(tensor_transport, client_id, use_ipc_events)
         self._channel = grpc.insecure_channel(
             _target(address), options=_channel_options(max_message_bytes)
         )
         self._stub = pb_grpc.TreeSpeculationServiceStub(self._channel)
 
     def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
+        """Unregister this client's memory regions (best effort), then close the channel."""
+        if self._ipc is not None:
+            for token in self._ipc.forget_server():
+                self._unregister_quietly(token)
         self._channel.close()
+
+    def _unregister_quietly(self, token: str) -> None:
+        # Cleanup: a region the server no longer knows, or a server that is gone, is fine.
+        try:
+            self._call(
+                self._stub.UnregisterMemory,
+                pb.UnregisterMemoryRequest(region_token=token),
+                None,
+                idempotent=False,
+            )
+        except DDTreeClientError:
+            return
+
+    def list_memory(self, *, timeout_s: float | None = None) -> list[MemoryRegion]:
+        """This client's registered regions on the server (empty without references)."""
+        client_id = "" if self._ipc is None else self._ipc.registry.client_id
+        response = self._call(
+            self._stub.ListMemory,
+            pb.ListMemoryRequest(client_id=client_id),
+            timeout_s,
+            idempotent=True,
+        )
+        return _memory_regions(response)
+
+    def _send(self, method: Callable[..., Any], op: _Op[_T], timeout_s: float | None) -> _T:
+        """Run one data RPC, registering memory as needed; re-register once on NOT_FOUND."""
+        ipc = self._ipc
+        if ipc is None:
+            response = self._call(method, op.make(None, False, b""), timeout_s, idempotent=True)
+            return op.finish(response, False)
+        for attempt in range(2):
+            if not ipc.knows_server:
+                info = self.server_info(timeout_s=timeout_s)
+                ipc.set_server(info.supports_memory_references, [d.uuid for d in info.devices])
+            refs = ipc.refs(op.tensors)
+            if refs is not None:
+                for allocation in refs.missing():
+                    request = ipc.register_request(allocation)
+                    registered = self._call(
+                        self._stub.RegisterMemory, request, timeout_s, idempotent=False
+                    )
+                    for stale in ipc.registry.add(allocation, registered.region_token):
+                        self._unregister_quietly(stale)
+            use_outputs = ipc.uses(refs, op.outputs)
+            request = op.make(refs, use_outputs, ipc.order_inputs(refs))
+            try:
+                response = self._call(method, request, timeout_s, idempotent=op.idempotent)
+            except MemoryTokenNotFoundError:
+                if attempt or refs is None:
+                    raise
+                ipc.forget_server()  # the server restarted: its regions are gone
+                continue
+            return op.finish(response, use_outputs)
+        raise AssertionError("unreachable: the loop returns or raises")
 
     def __enter__(self) -> Client:
         return self
@@ -299,7 +602,8 @@ class Client:
         InvalidArgumentError
             Bad input; ``field`` names it.
         """
-        request = _wire.build_tree_request(
+        op = _build_tree_op(
+            self._ipc,
             draft_logits,
             root_tokens,
             budget,
@@ -307,8 +611,7 @@ class Client:
             max_budget=max_budget,
             model=model,
         )
-        response = self._call(self._stub.BuildTree, request, timeout_s, idempotent=True)
-        return _wire.decode_tree(response.tree, draft_logits.device)
+        return self._send(self._stub.BuildTree, op, timeout_s)
 
     def accept_tree(
         self,
@@ -349,7 +652,8 @@ class Client:
         Acceptance
             On ``tree.device``.
         """
-        request = _wire.accept_tree_request(
+        op = _accept_tree_op(
+            self._ipc,
             tree,
             target_tokens,
             target_logits=target_logits,
@@ -358,9 +662,7 @@ class Client:
             kv_commit=kv_commit,
             model=model,
         )
-        # Idempotent: the cache travels inline, so a retry recomputes the same compaction.
-        response = self._call(self._stub.AcceptTree, request, timeout_s, idempotent=True)
-        return _wire.finish_accept_tree(response, tree, kv_commit)
+        return self._send(self._stub.AcceptTree, op, timeout_s)
 
     def verify_attention(
         self,
@@ -404,7 +706,8 @@ class Client:
             ``out`` ``(batch_size, num_nodes_max, num_heads, v_dim)`` bf16 and ``lse``
             ``(batch_size, num_nodes_max, num_heads)`` fp32, on ``q.device``.
         """
-        request = _wire.verify_attention_request(
+        op = _verify_attention_op(
+            self._ipc,
             q,
             kv_cache,
             block_table,
@@ -414,10 +717,7 @@ class Client:
             sm_scale=sm_scale,
             model=model,
         )
-        response = self._call(self._stub.VerifyAttention, request, timeout_s, idempotent=True)
-        return _wire.decode_tensor(response.out, q.device), _wire.decode_tensor(
-            response.lse, q.device
-        )
+        return self._send(self._stub.VerifyAttention, op, timeout_s)
 
 
 class AsyncClient:
@@ -433,19 +733,81 @@ class AsyncClient:
         default_timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tensor_transport: str = "inline",
+        client_id: str | None = None,
+        use_ipc_events: bool = False,
     ) -> None:
         self.address = address
         self.default_timeout_s = default_timeout_s
         self._retry = retry or RetryPolicy()
         self._budget = _RetryBudget(self._retry)
+        self._ipc = _make_ipc(tensor_transport, client_id, use_ipc_events)
         self._channel = grpc.aio.insecure_channel(
             _target(address), options=_channel_options(max_message_bytes)
         )
         self._stub = pb_grpc.TreeSpeculationServiceStub(self._channel)
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
+        """Unregister this client's memory regions (best effort), then close the channel."""
+        if self._ipc is not None:
+            for token in self._ipc.forget_server():
+                await self._unregister_quietly(token)
         await self._channel.close()
+
+    async def _unregister_quietly(self, token: str) -> None:
+        try:
+            await self._call(
+                self._stub.UnregisterMemory,
+                pb.UnregisterMemoryRequest(region_token=token),
+                None,
+                idempotent=False,
+            )
+        except DDTreeClientError:
+            return
+
+    async def list_memory(self, *, timeout_s: float | None = None) -> list[MemoryRegion]:
+        """See ``Client.list_memory``."""
+        client_id = "" if self._ipc is None else self._ipc.registry.client_id
+        response = await self._call(
+            self._stub.ListMemory,
+            pb.ListMemoryRequest(client_id=client_id),
+            timeout_s,
+            idempotent=True,
+        )
+        return _memory_regions(response)
+
+    async def _send(self, method: Callable[..., Any], op: _Op[_T], timeout_s: float | None) -> _T:
+        """See ``Client._send``."""
+        ipc = self._ipc
+        if ipc is None:
+            response = await self._call(
+                method, op.make(None, False, b""), timeout_s, idempotent=True
+            )
+            return op.finish(response, False)
+        for attempt in range(2):
+            if not ipc.knows_server:
+                info = await self.server_info(timeout_s=timeout_s)
+                ipc.set_server(info.supports_memory_references, [d.uuid for d in info.devices])
+            refs = ipc.refs(op.tensors)
+            if refs is not None:
+                for allocation in refs.missing():
+                    request = ipc.register_request(allocation)
+                    registered = await self._call(
+                        self._stub.RegisterMemory, request, timeout_s, idempotent=False
+                    )
+                    for stale in ipc.registry.add(allocation, registered.region_token):
+                        await self._unregister_quietly(stale)
+            use_outputs = ipc.uses(refs, op.outputs)
+            request = op.make(refs, use_outputs, ipc.order_inputs(refs))
+            try:
+                response = await self._call(method, request, timeout_s, idempotent=op.idempotent)
+            except MemoryTokenNotFoundError:
+                if attempt or refs is None:
+                    raise
+                ipc.forget_server()
+                continue
+            return op.finish(response, use_outputs)
+        raise AssertionError("unreachable: the loop returns or raises")
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -507,7 +869,8 @@ class AsyncClient:
         timeout_s: float | None = None,
     ) -> Tree:
         """See ``Client.build_tree``."""
-        request = _wire.build_tree_request(
+        op = _build_tree_op(
+            self._ipc,
             draft_logits,
             root_tokens,
             budget,
@@ -515,8 +878,7 @@ class AsyncClient:
             max_budget=max_budget,
             model=model,
         )
-        response = await self._call(self._stub.BuildTree, request, timeout_s, idempotent=True)
-        return _wire.decode_tree(response.tree, draft_logits.device)
+        return await self._send(self._stub.BuildTree, op, timeout_s)
 
     async def accept_tree(
         self,
@@ -531,7 +893,8 @@ class AsyncClient:
         timeout_s: float | None = None,
     ) -> Acceptance:
         """See ``Client.accept_tree``."""
-        request = _wire.accept_tree_request(
+        op = _accept_tree_op(
+            self._ipc,
             tree,
             target_tokens,
             target_logits=target_logits,
@@ -540,8 +903,7 @@ class AsyncClient:
             kv_commit=kv_commit,
             model=model,
         )
-        response = await self._call(self._stub.AcceptTree, request, timeout_s, idempotent=True)
-        return _wire.finish_accept_tree(response, tree, kv_commit)
+        return await self._send(self._stub.AcceptTree, op, timeout_s)
 
     async def verify_attention(
         self,
@@ -557,7 +919,8 @@ class AsyncClient:
         timeout_s: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """See ``Client.verify_attention``."""
-        request = _wire.verify_attention_request(
+        op = _verify_attention_op(
+            self._ipc,
             q,
             kv_cache,
             block_table,
@@ -567,7 +930,4 @@ class AsyncClient:
             sm_scale=sm_scale,
             model=model,
         )
-        response = await self._call(self._stub.VerifyAttention, request, timeout_s, idempotent=True)
-        return _wire.decode_tensor(response.out, q.device), _wire.decode_tensor(
-            response.lse, q.device
-        )
+        return await self._send(self._stub.VerifyAttention, op, timeout_s)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceInfo", "KvCommit", "ServerInfo", "ServerLimits"]
+__all__ = ["DeviceInfo", "KvCommit", "MemoryRegion", "ServerInfo", "ServerLimits"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +62,15 @@ class ServerInfo:
     limits: ServerLimits
     supports_memory_references: bool
     """Whether tensors may travel as references into registered memory."""
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A region of caller memory registered with the server (tokens are never listed)."""
+
+    region_id: str
+    """Non-secret identifier (16 hex characters), as in the server's log."""
+    device_uuid: str
+    """GPU holding the region."""
+    byte_size: int
+    """Bytes of the region, from the allocation base."""
