@@ -23,7 +23,13 @@ environment variable               flag                         default
 ``DDTREE_MAX_REGISTERED_REGIONS``  ``--max-registered-regions``  1024
 ``DDTREE_MAX_REGISTERED_BYTES``    ``--max-registered-bytes``   1 TiB
 ``DDTREE_MEMORY_IDLE_TIMEOUT_S``   ``--memory-idle-timeout-s``  600
+``DDTREE_TLS_CERT``                ``--tls-cert``               off (plain-text TCP)
+``DDTREE_TLS_KEY``                 ``--tls-key``                off
+``DDTREE_TLS_CLIENT_CA``           ``--tls-client-ca``          off (no client certificates)
+``DDTREE_UNIX_SOCKET_MODE``        ``--unix-socket-mode``       ``0660``
 =================================  ===========================  ===============================
+
+``DDTREE_MAX_CONCURRENT_CALLS_PER_CLIENT`` / ``--max-concurrent-calls-per-client``: 0 (no limit).
 """
 
 from __future__ import annotations
@@ -90,6 +96,17 @@ class ServiceConfig:
     memory_idle_timeout_s : float
         A registered region no call used for this long expires (releases the mapping of
         callers that exited without unregistering), ``> 0``.
+    tls_cert : Path, optional
+        PEM certificate chain of the TCP listeners; with ``tls_key`` they serve TLS only.
+    tls_key : Path, optional
+        PEM private key of ``tls_cert``.
+    tls_client_ca : Path, optional
+        PEM CA bundle; when set, TCP clients must present a certificate it signed (mTLS).
+    unix_socket_mode : int
+        Permission bits of Unix sockets, ``0 .. 0o777`` (``0o660``: owner and group connect).
+    max_concurrent_calls_per_client : int
+        Calls one client identity (certificate subject, peer IP, or ``unix``) may have in
+        flight; more get RESOURCE_EXHAUSTED (``OVERLOADED``); ``0`` for no per-client limit.
     """
 
     listen: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -109,6 +126,11 @@ class ServiceConfig:
     max_registered_regions: int = 1024
     max_registered_bytes: int = 1 << 40
     memory_idle_timeout_s: float = 600.0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    unix_socket_mode: int = 0o660
+    max_concurrent_calls_per_client: int = 0
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -149,6 +171,19 @@ class ServiceConfig:
             )
         if not self.metrics_host:
             raise ValueError("metrics_host: expected an address such as 127.0.0.1, got ''")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert, tls_key: expected both (TLS) or neither (plain text)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca: client certificates need TLS; set tls_cert, tls_key")
+        if not 0 <= self.unix_socket_mode <= 0o777:
+            raise ValueError(
+                f"unix_socket_mode: expected 0..0o777, got {oct(self.unix_socket_mode)}"
+            )
+        if self.max_concurrent_calls_per_client < 0:
+            raise ValueError(
+                "max_concurrent_calls_per_client: expected >= 0 (0: no limit), got "
+                f"{self.max_concurrent_calls_per_client}"
+            )
 
     def kernel_environment(self) -> dict[str, str]:
         """The ``DDTREE_*`` variables ``ddtree.kernels.jit`` reads, as set by this config.
@@ -200,6 +235,10 @@ def _env_bool(value: str) -> bool:
     if lowered in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"expected a boolean (1/0, true/false), got {value!r}")
+
+
+def _octal(value: str) -> int:
+    return int(value, 8)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -288,6 +327,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a registered region unused this long expires "
         f"[env DDTREE_MEMORY_IDLE_TIMEOUT_S; default {d.memory_idle_timeout_s:g}]",
     )
+    access = parser.add_argument_group("access control")
+    access.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="PEM",
+        help="certificate chain: TCP listeners serve TLS only [env DDTREE_TLS_CERT; default off]",
+    )
+    access.add_argument(
+        "--tls-key",
+        type=Path,
+        metavar="PEM",
+        help="private key of --tls-cert [env DDTREE_TLS_KEY]",
+    )
+    access.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        metavar="PEM",
+        help="CA of client certificates: TCP clients without one are refused (mTLS) "
+        "[env DDTREE_TLS_CLIENT_CA; default off]",
+    )
+    access.add_argument(
+        "--unix-socket-mode",
+        type=_octal,
+        metavar="MODE",
+        help="permission bits of Unix sockets, octal "
+        f"[env DDTREE_UNIX_SOCKET_MODE; default {d.unix_socket_mode:04o}]",
+    )
+    access.add_argument(
+        "--max-concurrent-calls-per-client",
+        type=int,
+        metavar="N",
+        help="calls one client (certificate subject, peer IP, or all Unix-socket callers) may "
+        "have in flight, 0 for no limit [env DDTREE_MAX_CONCURRENT_CALLS_PER_CLIENT; default 0]",
+    )
     compute = parser.add_argument_group("compute")
     compute.add_argument(
         "--device",
@@ -337,6 +410,11 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "max_registered_regions": int,
     "max_registered_bytes": int,
     "memory_idle_timeout_s": float,
+    "tls_cert": Path,
+    "tls_key": Path,
+    "tls_client_ca": Path,
+    "unix_socket_mode": _octal,
+    "max_concurrent_calls_per_client": int,
 }
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "InvalidToken",
     "InvalidTree",
     "IpcOpenFailed",
+    "MalformedRequest",
     "MemoryLimitExceeded",
     "MemoryReferencesUnsupported",
     "MemoryRegistrationUnsupported",
@@ -122,6 +123,12 @@ class InvalidModelLabel(InvalidArgument):
     """The ``model`` label is not at most 64 characters of ``[A-Za-z0-9_.:-]``."""
 
     reason = "INVALID_MODEL_LABEL"
+
+
+class MalformedRequest(InvalidArgument):
+    """The request bytes are not a valid protobuf message of the method's request type."""
+
+    reason = "MALFORMED_REQUEST"
 
 
 class InvalidToken(InvalidArgument):

@@ -28,6 +28,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ddtree.service.access import AccessInterceptor, bind, server_credentials
 from ddtree.service.calls import CallLimits
 from ddtree.service.config import ServiceConfig, parse_listen
 from ddtree.service.convert import TensorResolver
@@ -354,13 +355,15 @@ def create_server(
     Raises
     ------
     ValueError
-        The device or backend in ``config`` is not available here.
+        The device or backend in ``config`` is not available here, or a TLS file cannot be
+        read.
     RuntimeError
         An address cannot be bound.
     """
     limits = CallLimits(
         max_batch_size=config.max_batch_size, max_tensor_bytes=config.max_tensor_bytes
     )
+    credentials = server_credentials(config)  # before the engine: a bad file fails fast
     if engine is None:
         engine = Engine(
             device=config.device,
@@ -379,8 +382,11 @@ def create_server(
         call_observer=call_observer,
         on_failure=lambda: servers[0].check_engine(),
     )
+    access_interceptor = AccessInterceptor(
+        SERVICE_NAME, max_calls_per_client=config.max_concurrent_calls_per_client
+    )
     grpc_server = grpc.aio.server(
-        interceptors=[*interceptors, error_interceptor],
+        interceptors=[*interceptors, error_interceptor, access_interceptor],
         options=[
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -399,7 +405,7 @@ def create_server(
     addresses = []
     for address in config.listen:
         kind, _ = parse_listen(address)
-        port = grpc_server.add_insecure_port(address)
+        port = bind(grpc_server, address, config, credentials)
         if kind == "tcp":
             host = address.rpartition(":")[0]
             addresses.append(f"{host}:{port}")

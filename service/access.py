@@ -1,0 +1,220 @@
+"""Who may call, and what bytes are accepted: TLS/mTLS, Unix-socket modes, client identity, limits.
+
+- ``bind`` opens one listen address: a TCP listener is plain, TLS (``tls_cert`` + ``tls_key``) or
+  mutual TLS (also ``tls_client_ca``: a client must present a certificate signed by that CA, or
+  the handshake fails before any call); a Unix socket is created owner-only and then set to
+  ``unix_socket_mode`` (0660 by default), so only its owner and group can connect.
+- ``client_identity`` names the caller of a call: the certificate subject on mTLS, the peer IP
+  address on TCP, ``"unix"`` on a Unix socket (gRPC exposes no peer credentials there; the
+  socket's mode and group decide who can connect at all).
+- ``AccessInterceptor`` (the innermost interceptor) limits the calls each client identity has in
+  flight (RESOURCE_EXHAUSTED, ``OVERLOADED``, past ``max_concurrent_calls_per_client``) and
+  answers request bytes that are not a valid protobuf message with INVALID_ARGUMENT
+  (``MALFORMED_REQUEST``) instead of gRPC's own UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from ddtree.service.config import ServiceConfig, parse_listen
+from ddtree.service.errors import MalformedRequest, Overloaded
+
+__all__ = ["AccessInterceptor", "bind", "client_identity", "server_credentials"]
+
+_log = logging.getLogger(__name__)
+
+_OWNER_ONLY_UMASK = 0o177
+"""umask while a Unix socket is created: the file starts as 0600, never wider than asked."""
+
+
+def _read(path: Path, setting: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{setting}: cannot read {str(path)!r}: {err.strerror}") from err
+
+
+def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials of the TCP listeners, or ``None`` to serve them in plain text.
+
+    With ``tls_client_ca`` set, clients must present a certificate that CA signed (mTLS).
+
+    Raises
+    ------
+    ValueError
+        A certificate, key or CA file cannot be read; the message names the setting.
+    """
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    key = _read(config.tls_key, "tls_key")
+    chain = _read(config.tls_cert, "tls_cert")
+    client_ca = None
+    if config.tls_client_ca is not None:
+        client_ca = _read(config.tls_client_ca, "tls_client_ca")
+    return grpc.ssl_server_credentials(
+        ((key, chain),),
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def bind(
+    grpc_server: grpc.aio.Server,
+    address: str,
+    config: ServiceConfig,
+    credentials: grpc.ServerCredentials | None,
+) -> int:
+    """Bind one listen address; returns the bound port (0 for a Unix socket).
+
+    Parameters
+    ----------
+    grpc_server : grpc.aio.Server
+        The server, not started yet.
+    address : str
+        ``host:port`` or ``unix:/abs/path``.
+    config : ServiceConfig
+        Gives ``unix_socket_mode``.
+    credentials : grpc.ServerCredentials, optional
+        From ``server_credentials``; TCP listeners use TLS when set.
+
+    Raises
+    ------
+    RuntimeError
+        The address cannot be bound.
+    """
+    kind, target = parse_listen(address)
+    if kind == "tcp":
+        if credentials is None:
+            return grpc_server.add_insecure_port(address)
+        return grpc_server.add_secure_port(address, credentials)
+    # The umask is process-wide; it is narrowed only for the bind, before the server starts.
+    previous = os.umask(_OWNER_ONLY_UMASK)
+    try:
+        grpc_server.add_insecure_port(address)
+    finally:
+        os.umask(previous)
+    os.chmod(target, config.unix_socket_mode)
+    return 0
+
+
+def client_identity(context: grpc.aio.ServicerContext) -> str:
+    """The identity a call's limits are counted against.
+
+    Returns
+    -------
+    str
+        ``"x509:<subject>"`` for a client certificate (mTLS), ``"ip:<address>"`` for a TCP peer
+        without one, ``"unix"`` for every caller on a Unix socket.
+    """
+    auth = context.auth_context()
+    for key in ("x509_subject", "x509_common_name"):
+        values = auth.get(key)
+        if values:
+            return "x509:" + values[0].decode("utf-8", "replace")
+    peer = context.peer()
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer[len("ipv4:") :].rpartition(":")[0]
+        return "ip:" + host.strip("[]")
+    return "unix"
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """Stands in for a request whose bytes did not parse (the handler refuses it)."""
+
+    byte_size: int
+    error: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    def deserialize(raw: bytes) -> Any:
+        if deserializer is None:
+            return raw
+        try:
+            return deserializer(raw)
+        except (DecodeError, UnicodeDecodeError) as err:
+            return _Malformed(len(raw), type(err).__name__)
+
+    return deserialize
+
+
+class AccessInterceptor(grpc.aio.ServerInterceptor):
+    """Per-client call limits and refusal of unparsable requests for one service.
+
+    Install it after (inside) the error-mapping interceptor, which turns its errors into
+    statuses.
+
+    Parameters
+    ----------
+    service_name : str
+        Fully qualified service whose methods it guards (others pass through).
+    max_calls_per_client : int
+        Calls one client identity may have in flight; ``0`` for no per-client limit.
+    """
+
+    def __init__(self, service_name: str, *, max_calls_per_client: int) -> None:
+        self._prefix = f"/{service_name}/"
+        self._max_calls_per_client = max_calls_per_client
+        self._in_flight: dict[str, int] = {}
+
+    def in_flight(self, identity: str) -> int:
+        """Calls of ``identity`` being handled now."""
+        return self._in_flight.get(identity, 0)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or handler.unary_unary is None or not method.startswith(self._prefix):
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            self._wrap(method[len(self._prefix) :], handler.unary_unary),
+            request_deserializer=_tolerant(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+    def _wrap(
+        self, method: str, inner: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        request_field = f"{method}Request"
+
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                raise MalformedRequest(
+                    f"request: {request.byte_size} bytes are not a valid ddtree.v1."
+                    f"{request_field} protobuf message ({request.error})",
+                    field="request",
+                )
+            limit = self._max_calls_per_client
+            if limit == 0:
+                return await inner(request, context)
+            identity = client_identity(context)
+            count = self._in_flight.get(identity, 0)
+            if count >= limit:
+                raise Overloaded(
+                    f"client {identity} has {count} calls in flight, the server's "
+                    f"max_concurrent_calls_per_client is {limit}; retry after the suggested delay"
+                )
+            self._in_flight[identity] = count + 1
+            try:
+                return await inner(request, context)
+            finally:
+                left = self._in_flight[identity] - 1
+                if left:
+                    self._in_flight[identity] = left
+                else:
+                    del self._in_flight[identity]
+
+        return handle
