@@ -40,7 +40,7 @@ from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from ddtree.clients.cuda import ClientIpc, RequestRefs
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "AsyncClient", "Client", "RetryPolicy"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "AsyncClient", "Client", "RetryPolicy", "TlsOptions"]
 
 DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 """Default largest message the client sends or accepts (the server's default limit)."""
@@ -133,6 +133,48 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+@dataclass(frozen=True)
+class TlsOptions:
+    """TLS settings of a connection to a server started with ``--tls-cert`` (and mTLS).
+
+    Attributes
+    ----------
+    root_certificates : bytes, optional
+        PEM CA bundle that signed the server's certificate; ``None`` uses the system roots.
+    certificate_chain : bytes, optional
+        PEM client certificate, for servers that require one (``--tls-client-ca``).
+    private_key : bytes, optional
+        PEM private key of ``certificate_chain``.
+    server_name : str, optional
+        Name to check the server's certificate against instead of the address's host.
+    """
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("tls: expected both certificate_chain and private_key, or neither")
+
+
+def _credentials(
+    address: str, tls: TlsOptions | None, options: list[tuple[str, Any]]
+) -> grpc.ChannelCredentials | None:
+    if tls is None:
+        return None
+    if address.startswith("unix:"):
+        raise ValueError("tls: Unix sockets are not served with TLS; connect without tls")
+    if tls.server_name is not None:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.root_certificates,
+        private_key=tls.private_key,
+        certificate_chain=tls.certificate_chain,
+    )
 
 
 class _Plan:
@@ -415,6 +457,8 @@ class Client:
     use_ipc_events : bool
         With references, order the caller's pending writes by an interprocess CUDA event that
         the server's stream waits on, instead of synchronising the caller's current stream.
+    tls : TlsOptions, optional
+        Connect over TLS (with a client certificate for mTLS); ``None`` for plain text.
 
     Examples
     --------
@@ -433,15 +477,19 @@ class Client:
         tensor_transport: str = "inline",
         client_id: str | None = None,
         use_ipc_events: bool = False,
+        tls: TlsOptions | None = None,
     ) -> None:
         self.address = address
         self.default_timeout_s = default_timeout_s
         self._retry = retry or RetryPolicy()
         self._budget = _RetryBudget(self._retry)
         self._ipc = _make_ipc(tensor_transport, client_id, use_ipc_events)
-        self._channel = grpc.insecure_channel(
-            _target(address), options=_channel_options(max_message_bytes)
-        )
+        options = _channel_options(max_message_bytes)
+        credentials = _credentials(address, tls, options)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(_target(address), options=options)
+        else:
+            self._channel = grpc.secure_channel(_target(address), credentials, options=options)
         self._stub = pb_grpc.TreeSpeculationServiceStub(self._channel)
 
     def close(self) -> None:
@@ -736,15 +784,19 @@ class AsyncClient:
         tensor_transport: str = "inline",
         client_id: str | None = None,
         use_ipc_events: bool = False,
+        tls: TlsOptions | None = None,
     ) -> None:
         self.address = address
         self.default_timeout_s = default_timeout_s
         self._retry = retry or RetryPolicy()
         self._budget = _RetryBudget(self._retry)
         self._ipc = _make_ipc(tensor_transport, client_id, use_ipc_events)
-        self._channel = grpc.aio.insecure_channel(
-            _target(address), options=_channel_options(max_message_bytes)
-        )
+        options = _channel_options(max_message_bytes)
+        credentials = _credentials(address, tls, options)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(_target(address), options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(_target(address), credentials, options=options)
         self._stub = pb_grpc.TreeSpeculationServiceStub(self._channel)
 
     async def close(self) -> None:
