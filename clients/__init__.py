@@ -11,7 +11,7 @@ All three return ``ddtree.kernels.types.Tree`` / ``Acceptance`` and raise
 
 from ddtree.clients.embedded import EmbeddedClient
 from ddtree.clients.errors import DDTreeClientError
-from ddtree.clients.remote import AsyncClient, Client, RetryPolicy
+from ddtree.clients.remote import AsyncClient, Client, RetryPolicy, TlsOptions
 from ddtree.clients.types import DeviceInfo, KvCommit, ServerInfo, ServerLimits
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "RetryPolicy",
     "ServerInfo",
     "ServerLimits",
+    "TlsOptions",
 ]
