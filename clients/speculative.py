@@ -27,14 +27,15 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
+
 from ddtree import kernels
+from ddtree.clients.types import KvCommit
 from ddtree.kernels.types import Acceptance, Tree
 
 __all__ = [
     "DecodeResult",
     "DecodeStats",
     "KernelOps",
-    "KvCommit",
     "Method",
     "SpeculativeDecoder",
     "TreeOps",
@@ -42,15 +43,6 @@ __all__ = [
 ]
 
 Method = Literal["autoregressive", "chain", "ddtree"]
-
-
-@dataclass(frozen=True)
-class KvCommit:
-    """The paged KV cache that ``accept_tree`` compacts to the accepted path, in place."""
-
-    kv_cache: torch.Tensor  # [num_pages, page_size, kv_dim]
-    block_table: torch.Tensor  # [batch_size, max_pages] int32
-    prefix_lens: torch.Tensor  # [batch_size] int32
 
 
 class TreeOps(Protocol):
@@ -332,12 +324,18 @@ class SpeculativeDecoder:
         step = 0
         while min(len(o) for o in out) < max_new_tokens:
             step_seed = seed * 2**20 + step
+            # Finished requests ride along without advancing, so their cache stays in bounds.
+            is_active = [len(o) < max_new_tokens for o in out]
+            active = torch.tensor(is_active, device=device)
             if method == "autoregressive":
-                roots = self._autoregressive_step(
+                picked = self._autoregressive_step(
                     roots, kv_cache, block_table, prefix_lens, temperature, step_seed
                 )
-                for b, token in enumerate(roots.tolist()):
-                    out[b].append(token)
+                prefix_lens += active.int()
+                roots = torch.where(active, picked, roots)
+                for b, token in enumerate(picked.tolist()):
+                    if is_active[b]:
+                        out[b].append(token)
             else:
                 roots, hidden = self._speculative_step(
                     roots,
@@ -349,6 +347,7 @@ class SpeculativeDecoder:
                     tree_budget,
                     temperature,
                     step_seed,
+                    is_active,
                     stats,
                     out,
                 )
@@ -414,7 +413,6 @@ class SpeculativeDecoder:
             block_table,
             prefix_lens,
         )
-        prefix_lens += 1
         return self._pick(logits[:, 0], temperature, seed)
 
     def _speculative_step(
@@ -428,6 +426,7 @@ class SpeculativeDecoder:
         budget: int,
         temperature: float,
         seed: int,
+        is_active: list[bool],
         stats: DecodeStats,
         out: list[list[int]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,7 +463,8 @@ class SpeculativeDecoder:
         last = nodes.gather(1, (lengths.long() - 1)[:, None])[:, 0]  # [batch]
         next_hidden = node_hidden[torch.arange(roots.shape[0], device=device), last.long()]
         bonus = acceptance.bonus.to(device)
-        prefix_lens += lengths
+        active = torch.tensor(is_active, device=device)
+        prefix_lens += lengths * active.int()
         ladder = budget_ladder(budget)
         for b, (tau, path, toks, bonus_token) in enumerate(
             zip(
@@ -475,10 +475,15 @@ class SpeculativeDecoder:
                 strict=True,
             )
         ):
+            if not is_active[b]:
+                continue
             out[b].extend(toks[1:tau])
             out[b].append(bonus_token)
             stats.acceptance_lengths.append(tau)
             for cut in ladder:
                 cut_tau = sum(1 for node in path[:tau] if node <= cut)
                 stats.budget_curve[cut] = stats.budget_curve.get(cut, 0.0) + cut_tau
-        return bonus, next_hidden
+        return (
+            torch.where(active, bonus, roots),
+            torch.where(active[:, None], next_hidden, hidden),
+        )

@@ -16,22 +16,28 @@ Example
 from __future__ import annotations
 
 from importlib import resources
+from pathlib import Path
 
 import torch
+
 from ddtree.clients.toy.model import DrafterConfig, TargetConfig, ToyDrafter, ToyTarget
 
 __all__ = ["DrafterConfig", "TargetConfig", "ToyDrafter", "ToyTarget", "load_pair"]
 
 
-def _load_state(name: str) -> dict[str, object]:
+def _load_state(name: str, weights_dir: Path | None) -> dict[str, object]:
+    if weights_dir is not None:
+        return dict(torch.load(weights_dir / f"{name}.pt", map_location="cpu", weights_only=True))
     path = resources.files("ddtree.clients.toy").joinpath("weights", f"{name}.pt")
     with resources.as_file(path) as file:
-        loaded: dict[str, object] = torch.load(file, map_location="cpu", weights_only=True)
-    return loaded
+        return dict(torch.load(file, map_location="cpu", weights_only=True))
 
 
 def load_pair(
-    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    weights_dir: Path | None = None,
 ) -> tuple[ToyTarget, ToyDrafter]:
     """The committed target and drafter, in eval mode, without gradients.
 
@@ -41,13 +47,16 @@ def load_pair(
         Where to put both models.
     dtype : torch.dtype
         Float dtype to run them in (the weights are stored in fp16).
+    weights_dir : Path, optional
+        A folder with ``target.pt`` and ``drafter.pt`` written by ``ddtree.clients.toy.train``;
+        default: the weights shipped in this package.
 
     Returns
     -------
     tuple of (ToyTarget, ToyDrafter)
     """
-    target_state = _load_state("target")
-    drafter_state = _load_state("drafter")
+    target_state = _load_state("target", weights_dir)
+    drafter_state = _load_state("drafter", weights_dir)
     target = ToyTarget(TargetConfig(**target_state["config"]))  # type: ignore[arg-type]
     target.load_state_dict(target_state["state_dict"])  # type: ignore[arg-type]
     drafter = ToyDrafter(DrafterConfig(**drafter_state["config"]))  # type: ignore[arg-type]

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
+
 from ddtree.clients.toy.data import load_corpus, stdlib_files
 from ddtree.clients.toy.model import (
     DrafterConfig,
@@ -27,7 +29,6 @@ from ddtree.clients.toy.model import (
     ToyTarget,
     count_parameters,
 )
-from torch.nn import functional as F
 
 __all__ = ["main"]
 
