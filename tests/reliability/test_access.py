@@ -1,0 +1,368 @@
+"""Access control: mTLS refuses clients without a certificate, Unix-socket modes, per-client
+call limits by identity, and region tokens (>= 128 random bits, never logged)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import ipaddress
+import logging
+import stat
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from helpers.service_inputs import BUDGET, Step, make_step
+from helpers.serving import ServerThread
+
+from ddtree.clients import Client, RetryPolicy, TlsOptions
+from ddtree.clients.errors import ResourceExhaustedError, UnavailableError
+from ddtree.service.config import ServiceConfig
+from ddtree.service.memory import TOKEN_BYTES, MemoryLimits, RegionTable
+
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+@dataclass(frozen=True)
+class Pem:
+    """A certificate and its key, PEM-encoded."""
+
+    cert: bytes
+    key: bytes
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "ddtree tests"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
+
+
+def _issue(
+    common_name: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A certificate for ``common_name``, self-signed (a CA) when ``issuer`` is None."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(common_name))
+        .issuer_name(_name(common_name) if issuer is None else issuer[0].subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+    )
+    if issuer is not None:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+    signer = key if issuer is None else issuer[1]
+    return builder.sign(signer, hashes.SHA256()), key
+
+
+def _pem(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Pem:
+    return Pem(
+        cert=cert.public_bytes(serialization.Encoding.PEM),
+        key=key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class Pki:
+    """A throwaway CA with a server and two client certificates, and a rogue CA's client."""
+
+    ca: Pem
+    server: Pem
+    alice: Pem
+    bob: Pem
+    rogue: Pem
+
+
+@pytest.fixture(scope="module")
+def pki() -> Pki:
+    ca = _issue("ddtree test CA", None)
+    rogue_ca = _issue("rogue CA", None)
+    return Pki(
+        ca=_pem(*ca),
+        server=_pem(*_issue("ddtree server", ca)),
+        alice=_pem(*_issue("alice", ca)),
+        bob=_pem(*_issue("bob", ca)),
+        rogue=_pem(*_issue("alice", rogue_ca)),
+    )
+
+
+@pytest.fixture(scope="module")
+def step() -> Step:
+    return make_step()
+
+
+def _write(tmp_path: Path, name: str, data: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+@contextlib.contextmanager
+def _serving(config: ServiceConfig, **kwargs: object) -> Iterator[ServerThread]:
+    thread = ServerThread(config, **kwargs)  # type: ignore[arg-type]
+    thread.start()
+    try:
+        yield thread
+    finally:
+        thread.stop()
+
+
+def _tls_config(tmp_path: Path, pki: Pki, *, mutual: bool, **kwargs: object) -> ServiceConfig:
+    return ServiceConfig(
+        listen=("127.0.0.1:0",),
+        device="cpu",
+        tls_cert=_write(tmp_path, "server.pem", pki.server.cert),
+        tls_key=_write(tmp_path, "server.key", pki.server.key),
+        tls_client_ca=_write(tmp_path, "ca.pem", pki.ca.cert) if mutual else None,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def _tls(pki: Pki, client: Pem | None) -> TlsOptions:
+    return TlsOptions(
+        root_certificates=pki.ca.cert,
+        certificate_chain=None if client is None else client.cert,
+        private_key=None if client is None else client.key,
+    )
+
+
+def test_mtls_refuses_clients_without_a_trusted_certificate(tmp_path: Path, pki: Pki) -> None:
+    with _serving(_tls_config(tmp_path, pki, mutual=True)) as thread:
+        address = thread.addresses[0]
+        with Client(address, tls=_tls(pki, pki.alice), retry=NO_RETRY) as trusted:
+            assert trusted.server_info(timeout_s=10).version
+        refused = {
+            "no certificate": Client(address, tls=_tls(pki, None), retry=NO_RETRY),
+            "rogue CA": Client(address, tls=_tls(pki, pki.rogue), retry=NO_RETRY),
+            "plain text": Client(address, retry=NO_RETRY),
+        }
+        for what, client in refused.items():
+            with client, pytest.raises(UnavailableError) as raised:
+                client.server_info(timeout_s=10)
+            assert raised.value.code == "UNAVAILABLE", what
+        # The refusals did not disturb the server.
+        with Client(address, tls=_tls(pki, pki.bob), retry=NO_RETRY) as trusted:
+            assert trusted.health(timeout_s=10) == "SERVING"
+
+
+def test_tls_without_client_ca_serves_clients_without_certificates(
+    tmp_path: Path, pki: Pki
+) -> None:
+    with _serving(_tls_config(tmp_path, pki, mutual=False)) as thread:
+        address = thread.addresses[0]
+        with Client(address, tls=_tls(pki, None), retry=NO_RETRY) as client:
+            assert client.health(timeout_s=10) == "SERVING"
+        with Client(address, retry=NO_RETRY) as plain, pytest.raises(UnavailableError):
+            plain.server_info(timeout_s=10)
+
+
+def test_unreadable_tls_file_names_the_setting(tmp_path: Path, pki: Pki) -> None:
+    config = _tls_config(tmp_path, pki, mutual=True)
+    config.tls_client_ca.unlink()  # type: ignore[union-attr]
+    thread = ServerThread(config)
+    with pytest.raises(ValueError, match="tls_client_ca: cannot read"):
+        thread.start()
+    thread.stop()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"tls_cert": Path("/c.pem")}, "tls_cert, tls_key"),
+        ({"tls_client_ca": Path("/ca.pem")}, "tls_client_ca"),
+        ({"unix_socket_mode": 0o1777}, "unix_socket_mode"),
+        ({"max_concurrent_calls_per_client": -1}, "max_concurrent_calls_per_client"),
+    ],
+    ids=["cert-without-key", "ca-without-tls", "mode", "per-client"],
+)
+def test_bad_access_settings_name_the_setting(env: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServiceConfig(**env)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", [None, 0o600, 0o666], ids=["default-0660", "0600", "0666"])
+def test_unix_socket_is_created_with_the_configured_mode(tmp_path: Path, mode: int | None) -> None:
+    path = tmp_path / "d.sock"
+    extra = {} if mode is None else {"unix_socket_mode": mode}
+    config = ServiceConfig(listen=(f"unix:{path}",), device="cpu", **extra)  # type: ignore[arg-type]
+    with _serving(config) as thread:
+        info = path.stat()
+        assert stat.S_ISSOCK(info.st_mode)
+        assert stat.S_IMODE(info.st_mode) == (0o660 if mode is None else mode)
+        with Client(thread.addresses[0], retry=NO_RETRY) as client:
+            assert client.health(timeout_s=10) == "SERVING"
+
+
+class Gate:
+    """Engine observer holding every ``build_tree`` launch until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    @contextlib.contextmanager
+    def time_op(self, op: str, device: torch.device) -> Iterator[None]:
+        if op == "build_tree":
+            self.entered.set()
+            assert self.release.wait(30), "test never released the gate"
+        yield
+
+    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
+        return None
+
+    def observe_acceptance(
+        self, nodes: torch.Tensor, length: torch.Tensor, num_nodes: torch.Tensor, *, model: str = ""
+    ) -> None:
+        return None
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    gate = Gate()
+    yield gate
+    gate.release.set()
+
+
+def _build(client: Client, step: Step) -> torch.Tensor:
+    return client.build_tree(step.draft_logits, step.root_tokens, BUDGET, timeout_s=30).tokens
+
+
+def test_per_client_limit_counts_each_certificate_subject(
+    tmp_path: Path, pki: Pki, step: Step, gate: Gate
+) -> None:
+    config = _tls_config(tmp_path, pki, mutual=True, max_concurrent_calls_per_client=1)
+    with _serving(config, engine_observer=gate) as thread, ThreadPoolExecutor(2) as pool:
+        address = thread.addresses[0]
+        with (
+            Client(address, tls=_tls(pki, pki.alice), retry=NO_RETRY) as alice,
+            Client(address, tls=_tls(pki, pki.alice), retry=NO_RETRY) as alice_again,
+            Client(address, tls=_tls(pki, pki.bob), retry=NO_RETRY) as bob,
+        ):
+            first = pool.submit(_build, alice, step)
+            assert gate.entered.wait(30)
+            # The same subject on a second connection is the same client.
+            with pytest.raises(ResourceExhaustedError) as raised:
+                _build(alice_again, step)
+            assert raised.value.reason == "OVERLOADED"
+            assert "CN=alice" in raised.value.message
+            assert "max_concurrent_calls_per_client is 1" in raised.value.message
+            # Another subject is admitted (it queues behind alice's call on the device).
+            second = pool.submit(_build, bob, step)
+            gate.release.set()
+            assert torch.equal(first.result(timeout=30), step.tree.tokens)
+            assert torch.equal(second.result(timeout=30), step.tree.tokens)
+            # Alice's slot is free again.
+            assert torch.equal(_build(alice_again, step), step.tree.tokens)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_per_client_limit_on_plain_transports(
+    tmp_path: Path, step: Step, gate: Gate, transport: str
+) -> None:
+    address = "127.0.0.1:0" if transport == "tcp" else f"unix:{tmp_path / 'd.sock'}"
+    config = ServiceConfig(listen=(address,), device="cpu", max_concurrent_calls_per_client=1)
+    with _serving(config, engine_observer=gate) as thread, ThreadPoolExecutor(1) as pool:
+        address = thread.addresses[0]
+        with Client(address, retry=NO_RETRY) as client, Client(address, retry=NO_RETRY) as other:
+            first = pool.submit(_build, client, step)
+            assert gate.entered.wait(30)
+            # A second connection from the same peer is the same client.
+            with pytest.raises(ResourceExhaustedError) as raised:
+                _build(other, step)
+            identity = "ip:127.0.0.1" if transport == "tcp" else "unix"
+            assert raised.value.reason == "OVERLOADED"
+            assert f"client {identity} has 1 calls in flight" in raised.value.message
+            # Health checks are not service calls and are never limited.
+            assert other.health(timeout_s=10) == "SERVING"
+            gate.release.set()
+            assert torch.equal(first.result(timeout=30), step.tree.tokens)
+            assert torch.equal(_build(other, step), step.tree.tokens)
+
+
+class FakeMapper:
+    """IPC mapper over host memory: a handle's first 8 bytes give the allocation's size."""
+
+    def __init__(self) -> None:
+        self.memory: dict[int, torch.Tensor] = {}
+
+    def open_memory(self, handle: bytes) -> tuple[int, int]:
+        size = int.from_bytes(handle[:8], "little")
+        data = torch.zeros(size, dtype=torch.uint8)
+        self.memory[data.data_ptr()] = data
+        return data.data_ptr(), size
+
+    def close_memory(self, pointer: int) -> None:
+        del self.memory[pointer]
+
+    def open_event(self, handle: bytes) -> object:
+        return handle
+
+    def wait_event(self, event: object, stream: int) -> None:
+        return None
+
+    def close_event(self, event: object) -> None:
+        return None
+
+    def as_bytes(self, pointer: int, byte_size: int, device: torch.device) -> torch.Tensor:
+        return self.memory[pointer][:byte_size]
+
+    def release(self) -> None:
+        return None
+
+
+def test_region_tokens_are_192_random_bits_and_never_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    table = RegionTable(
+        device=torch.device("cpu"),
+        device_uuid="GPU-test",
+        mapper=FakeMapper(),
+        limits=MemoryLimits(max_regions=512, max_bytes=1 << 30),
+    )
+    handle = (4096).to_bytes(8, "little") + bytes(56)
+    tokens = []
+    with caplog.at_level(logging.DEBUG, logger="ddtree"):
+        for _ in range(256):
+            token, _ = table.register(handle, "GPU-test", 4096, "client-a")
+            tokens.append(token)
+            leases = table.leases()
+            view = leases.resolve("build_tree.draft_logits", token, 64, torch.float32, (4, 8))
+            assert view.shape == (4, 8)
+            leases.release()
+        for token in tokens[:128]:
+            table.unregister(token)
+        table.sweep(force=True)
+        table.close()
+    assert TOKEN_BYTES * 8 >= 128
+    assert len(set(tokens)) == len(tokens)
+    for token in tokens:
+        assert len(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))) == TOKEN_BYTES
+    assert caplog.records, "the table logs its events"
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    leaked = [token for token in tokens if token in text]
+    assert not leaked
