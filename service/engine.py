@@ -60,6 +60,7 @@ from ddtree.service.errors import (
 from ddtree.service.memory import (
     CudaIpcMapper,
     EventWaiter,
+    IpcMapper,
     Leases,
     MemoryLimits,
     RegionInfo,
@@ -236,6 +237,12 @@ class Engine:
         Size limits every call is checked against.
     observer : EngineObserver, optional
         Told about every op (metrics); ``None`` records nothing.
+    memory_limits : MemoryLimits, optional
+        Bounds on registered caller memory (regions, bytes, idle timeout).
+    ipc_mapper : IpcMapper, optional
+        Opens caller memory; by default ``CudaIpcMapper`` on a CUDA device (registered memory
+        needs cuda-python) and none on the CPU. Tests pass a host-memory mapper to run the
+        reference path without a GPU.
 
     Notes
     -----
@@ -258,6 +265,7 @@ class Engine:
         limits: CallLimits | None = None,
         observer: EngineObserver | None = None,
         memory_limits: MemoryLimits | None = None,
+        ipc_mapper: IpcMapper | None = None,
     ) -> None:
         self.device = _resolve_device(device)
         self.backend: Backend = resolve_backend(backend, self.device)  # type: ignore[arg-type]
@@ -283,16 +291,18 @@ class Engine:
         self.memory: RegionTable | None = None
         """Registered caller memory (CUDA IPC); ``None`` on the CPU or without cuda-python."""
         self._events: EventWaiter | None = None
-        self._mapper: CudaIpcMapper | None = None
-        if self.device.type == "cuda":
-            self._open_memory(memory_limits or MemoryLimits())
+        self._mapper: IpcMapper | None = None
+        if self.device.type == "cuda" or ipc_mapper is not None:
+            self._open_memory(memory_limits or MemoryLimits(), ipc_mapper)
 
-    def _open_memory(self, limits: MemoryLimits) -> None:
-        try:
-            self._mapper = CudaIpcMapper(self.device)
-        except ImportError as err:
-            _log.warning("event=memory_references_off reason=%s", err)
-            return
+    def _open_memory(self, limits: MemoryLimits, mapper: IpcMapper | None) -> None:
+        if mapper is None:
+            try:
+                mapper = CudaIpcMapper(self.device)
+            except ImportError as err:
+                _log.warning("event=memory_references_off reason=%s", err)
+                return
+        self._mapper = mapper
         set_registered = getattr(self._observer, "set_registered", None)
         label = str(self.device)
 
@@ -303,11 +313,11 @@ class Engine:
         self.memory = RegionTable(
             device=self.device,
             device_uuid=self._info.devices[0].uuid,
-            mapper=self._mapper,
+            mapper=mapper,
             limits=limits,
             on_change=on_change,
         )
-        self._events = EventWaiter(self._mapper)
+        self._events = EventWaiter(mapper)
         self._info = replace(self._info, supports_memory_references=True)
 
     # ------------------------------------------------------------------ lifecycle
