@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,12 +34,6 @@ RULES = ROOT / "helm" / "ddtree" / "files" / "ddtree-rules.yaml"
 LADDER = (1, 2, 4, 8)  # budgets a budget-8 tree reports
 DEADLINE_S = 60.0
 _T = TypeVar("_T")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _wait_for(what: str, check: Callable[[], _T | None], deadline_s: float = DEADLINE_S) -> _T:
@@ -94,19 +88,19 @@ def prometheus_binary() -> str:
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     """``ddtree serve`` on loopback with metrics on; yields (gRPC address, metrics port)."""
     tmp = tmp_path_factory.mktemp("service")
-    grpc_address = f"127.0.0.1:{_free_port()}"
-    metrics_port = _free_port()
-    log = (tmp / "serve.log").open("w")
+    log_path = tmp / "serve.log"
+    log = log_path.open("w")
     process = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "ddtree.service",
             "serve",
+            # Port 0 for both, read back from the log: no race for a "free" port.
             "--listen",
-            grpc_address,
+            "127.0.0.1:0",
             "--metrics-port",
-            str(metrics_port),
+            "0",
             "--device",
             "cpu",
         ],
@@ -115,10 +109,21 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
+
+        def bound_ports() -> tuple[str, int] | None:
+            assert process.poll() is None, log_path.read_text()
+            text = log_path.read_text()
+            grpc_bound = re.search(r"event=listening addresses=(127\.0\.0\.1:\d+)", text)
+            metrics_bound = re.search(r"event=metrics_listening address=127\.0\.0\.1:(\d+)", text)
+            if grpc_bound is None or metrics_bound is None:
+                return None
+            return grpc_bound.group(1), int(metrics_bound.group(1))
+
+        grpc_address, metrics_port = _wait_for("the service to bind its ports", bound_ports)
         with Client(grpc_address, default_timeout_s=5.0) as client:
 
             def serving() -> bool | None:
-                assert process.poll() is None, (tmp / "serve.log").read_text()
+                assert process.poll() is None, log_path.read_text()
                 try:
                     return True if client.health() == "SERVING" else None
                 except DDTreeClientError:  # not listening yet
@@ -155,23 +160,32 @@ def prometheus(
         ],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    url = f"http://127.0.0.1:{_free_port()}"
-    log = (tmp / "prometheus.log").open("w")
+    log_path = tmp / "prometheus.log"
+    log = log_path.open("w")
     process = subprocess.Popen(
         [
             prometheus_binary,
             f"--config.file={tmp / 'prometheus.yml'}",
             f"--storage.tsdb.path={tmp / 'data'}",
-            f"--web.listen-address={url.removeprefix('http://')}",
-            "--log.level=warn",
+            # Port 0, read back from its "Listening on" log line: no race for a "free" port.
+            "--web.listen-address=127.0.0.1:0",
+            "--log.level=info",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     try:
 
+        def listening() -> str | None:
+            assert process.poll() is None, log_path.read_text()
+            text = log_path.read_text()
+            bound = re.search(r'msg="Listening on" address=(127\.0\.0\.1:\d+)', text)
+            return None if bound is None else f"http://{bound.group(1)}"
+
+        url = _wait_for("Prometheus to bind its port", listening)
+
         def ready() -> bool | None:
-            assert process.poll() is None, (tmp / "prometheus.log").read_text()
+            assert process.poll() is None, log_path.read_text()
             return _ready(url)
 
         _wait_for("Prometheus to be ready", ready)
