@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -421,3 +422,18 @@ def test_helm_test_script_passes_against_a_real_server(helm, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("SERVING; GetServerInfo: ")
     assert "version" in result.stdout
+
+
+def test_packaged_chart_ships_the_dashboard_and_rules_and_renders(helm, tmp_path):
+    result = _run_helm(helm, "package", str(CHART), "--destination", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    (package,) = tmp_path.glob("ddtree-*.tgz")
+    with tarfile.open(package) as archive:
+        names = set(archive.getnames())
+    assert {"ddtree/files/ddtree-dashboard.json", "ddtree/files/ddtree-rules.yaml"} <= names
+    assert not any(name.startswith("ddtree/ci/") for name in names)
+    rendered = _run_helm(
+        helm, "template", "rel", str(package), "--set", "prometheusRule.enabled=true"
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    assert "kind: PrometheusRule" in rendered.stdout
