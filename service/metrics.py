@@ -279,19 +279,15 @@ class _LengthHistogram(Collector):
         self._name = name
         self._documentation = documentation
         self._lock = threading.Lock()
-        self._counts: dict[str, list[int]] = {}  # model -> walks per length 0..MAX_DRAFT_LEN+1
-        self._overflow: dict[str, int] = {}  # model -> walks longer than the last bucket
+        self._counts: dict[str, list[int]] = {}  # model -> walks per length (index = tau)
 
     def add(self, model: str, length_counts: Sequence[int]) -> None:
         """Add ``length_counts[tau]`` walks of each length ``tau`` (creates the series)."""
         with self._lock:
             counts = self._counts.setdefault(model, [0] * (len(ACCEPTANCE_LENGTH_BUCKETS) + 1))
-            self._overflow.setdefault(model, 0)
+            counts.extend([0] * (len(length_counts) - len(counts)))
             for tau, count in enumerate(length_counts):
-                if tau < len(counts):
-                    counts[tau] += count
-                else:
-                    self._overflow[model] += count
+                counts[tau] += count
 
     def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self._name, self._documentation, labels=["model"])
@@ -302,14 +298,14 @@ class _LengthHistogram(Collector):
     def collect(self) -> Iterable[Metric]:
         family = self._family()
         with self._lock:
-            snapshot = {m: (list(c), self._overflow[m]) for m, c in self._counts.items()}
-        for model, (counts, overflow) in snapshot.items():
+            snapshot = {model: list(counts) for model, counts in self._counts.items()}
+        for model, counts in snapshot.items():
             buckets = []
             cumulative = counts[0]  # length 0 never happens; kept so indices are lengths
             for bound in ACCEPTANCE_LENGTH_BUCKETS:
                 cumulative += counts[int(bound)]
                 buckets.append((floatToGoString(bound), cumulative))
-            buckets.append(("+Inf", cumulative + overflow))
+            buckets.append(("+Inf", sum(counts)))
             total = sum(tau * count for tau, count in enumerate(counts))
             family.add_metric([model], buckets, sum_value=total)
         return [family]
@@ -347,7 +343,8 @@ class Metrics:
         Observations queued at most; past it the oldest is dropped and counted in
         ``ddtree_metrics_dropped_total`` (only if the device falls that far behind).
     batch : int
-        Queued observations that trigger counting them on the observing thread, ``1..max_pending``.
+        Queued observations (or ``64 * batch`` queued trees and walks) that trigger counting them
+        on the observing thread, ``1..max_pending``.
 
     Notes
     -----
