@@ -178,7 +178,8 @@ def test_daemonset_mode_renders_a_daemonset_with_host_ipc_and_the_socket(helm):
     assert socket["hostPath"] == {"path": "/run/ddtree", "type": "DirectoryOrCreate"}
     container = server_container(docs)
     assert env_of(container)["DDTREE_LISTEN"] == "0.0.0.0:50051,unix:/run/ddtree/ddtree.sock"
-    assert container["command"][-1] == "umask 0007 && exec ddtree serve"
+    assert container["args"] == ["serve"]
+    assert env_of(container)["DDTREE_UNIX_SOCKET_MODE"] == "0660"
     init = only_init(spec, "socket-dir")
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
     assert env_of(container)["NVIDIA_VISIBLE_DEVICES"] == "all"

@@ -67,16 +67,8 @@ spec:
     - name: ddtree
       image: {{ include "ddtree.image" . }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
-      {{- if .Values.unixSocket.enabled }}
-      # A group-writable socket lets client pods of the same group connect.
-      command:
-        - /bin/sh
-        - -c
-        - {{ printf "umask %s && exec ddtree serve" .Values.unixSocket.umask | quote }}
-      {{- else }}
       args:
         - serve
-      {{- end }}
       env:
         - name: DDTREE_LISTEN
           value: {{ include "ddtree.listen" . | quote }}
@@ -104,6 +96,10 @@ spec:
           value: {{ ternary "1" "0" .Values.server.disableJit | quote }}
         - name: DDTREE_CACHE_DIR
           value: {{ .Values.kernelCache.mountPath | quote }}
+        {{- if .Values.unixSocket.enabled }}
+        - name: DDTREE_UNIX_SOCKET_MODE
+          value: {{ .Values.unixSocket.mode | quote }}
+        {{- end }}
         {{- with .Values.gpu.visibleDevices }}
         - name: NVIDIA_VISIBLE_DEVICES
           value: {{ . | quote }}
