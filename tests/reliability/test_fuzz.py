@@ -1,0 +1,747 @@
+"""Hostile input: a hypothesis fuzzer over every RPC's requests against a real server on loopback.
+
+Each case is one valid request with one adversarial change (a dtype, a byte length that disagrees
+with the shape, huge or negative extents, a reference to an unknown region, NaN/inf logits,
+out-of-range tokens, parents, block-table entries and lengths, budgets 0 and past the maximum,
+draft_len and vocab_size at and past their limits, ...). The expected answer comes from first
+principles for structural changes, and from the pure-torch reference ops (with their
+``error_flags``) for changed values: every case must get exactly that status code and
+``ErrorInfo.reason``, a message naming the field, and, when it succeeds, a response byte-equal
+to the reference's. Every call has a deadline (no hang) and after each test the untouched
+requests are answered byte-identically to the first time (the server is unharmed).
+
+Cases per run: see ``EXAMPLES``; ``test_cases_total`` checks that they add up to >= 10,000.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from helpers.serving import ServerThread
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddtree import kernels
+from ddtree.clients import _wire
+from ddtree.kernels.types import MAX_BUDGET, MAX_DRAFT_LEN, ErrorFlag, Tree
+from ddtree.service import convert
+from ddtree.service.config import ServiceConfig
+from ddtree.service.engine import Engine
+from ddtree.service.memory import MemoryLimits, RegionTable
+from ddtree.v1 import tensor_pb2
+from ddtree.v1 import tree_speculation_service_pb2 as pb
+from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
+
+EXAMPLES = {
+    "build_tree": 2600,
+    "accept_tree": 2600,
+    "verify_attention": 2000,
+    "memory_rpcs": 800,
+    "references": 1200,
+    "raw_bytes": 1000,
+}
+"""Hypothesis examples per test (each is one RPC, plus a reference-op run for value changes)."""
+
+CALL_TIMEOUT_S = 10.0
+MAX_TENSOR_BYTES = 1 << 16
+MAX_BATCH_SIZE = 8
+MAX_MESSAGE_BYTES = 1 << 20
+
+B, L, V, BUDGET = 2, 3, 11, 5
+HEADS, HEAD_DIM, V_DIM, PAGE, MAX_PAGES = 2, 8, 4, 4, 4
+NUM_PAGES = B * MAX_PAGES
+
+_ITEMSIZE = {1: 2, 2: 2, 3: 4, 4: 4, 5: 8, 6: 1}
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_MODEL_RE = re.compile(r"^[A-Za-z0-9_.:-]{0,64}$")
+_ARGUMENT_REASONS = {
+    "MISSING_FIELD",
+    "INVALID_TENSOR",
+    "TENSOR_TOO_LARGE",
+    "VALUE_OUT_OF_RANGE",
+    "INVALID_TOKEN",
+    "INVALID_TREE",
+    "INVALID_BLOCK_TABLE",
+    "INVALID_LENGTH",
+    "INVALID_ACCEPTANCE",
+    "INVALID_REFERENCE",
+    "INVALID_ARGUMENT",
+}
+# Which reason each error flag gives, per op, in the order the service reports them (docs/api.md).
+_FLAG_REASONS: dict[str, tuple[tuple[ErrorFlag, str], ...]] = {
+    "build_tree": ((ErrorFlag.TOKEN, "INVALID_TOKEN"),),
+    "accept": (
+        (ErrorFlag.TREE, "INVALID_TREE"),
+        (ErrorFlag.TOKEN, "INVALID_TOKEN"),
+        (ErrorFlag.ACCEPTANCE, "INVALID_ACCEPTANCE"),
+    ),
+    "commit_kv": (
+        (ErrorFlag.BLOCK_TABLE, "INVALID_BLOCK_TABLE"),
+        (ErrorFlag.LENGTH, "INVALID_LENGTH"),
+        (ErrorFlag.ACCEPTANCE, "INVALID_ACCEPTANCE"),
+    ),
+    "verify_attention": (
+        (ErrorFlag.BLOCK_TABLE, "INVALID_BLOCK_TABLE"),
+        (ErrorFlag.LENGTH, "INVALID_LENGTH"),
+        (ErrorFlag.TREE, "INVALID_TREE"),
+    ),
+}
+
+FUZZ = settings(
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+cases_run: dict[str, int] = {}
+
+
+def examples(name: str) -> int:
+    """Examples of one test: ``EXAMPLES`` times ``DDTREE_FUZZ_SCALE`` (default 1)."""
+    return max(1, round(EXAMPLES[name] * float(os.environ.get("DDTREE_FUZZ_SCALE", "1"))))
+
+
+# ---------------------------------------------------------------------------- expectations
+
+
+@dataclass(frozen=True)
+class Expect:
+    """The answer a case must get: a status code, a reason and the field it names.
+
+    ``reasons`` lists the allowed reasons (one, except where the test only knows the class of
+    error); ``field`` is the exact ``BadRequest`` field (``None``: any field of the RPC).
+    ``response`` (for OK) is the serialized response the reference gives, ``None``: not checked.
+    """
+
+    code: str
+    reasons: frozenset[str] = frozenset()
+    field: str | None = None
+    response: bytes | None = None
+    ok_allowed: bool = False
+
+
+def error(reason: str, field: str | None, code: str = "INVALID_ARGUMENT") -> Expect:
+    return Expect(code, frozenset({reason}), field)
+
+
+def ok(response: bytes | None) -> Expect:
+    return Expect("OK", response=response)
+
+
+def any_argument_error(rpc: str, *, ok_allowed: bool = False) -> Expect:
+    return Expect("INVALID_ARGUMENT", frozenset(_ARGUMENT_REASONS), None, ok_allowed=ok_allowed)
+
+
+def check(method: Callable[..., Any], request: Any, expect: Expect, rpc: str) -> None:
+    """Send ``request``; its answer must be ``expect``."""
+    try:
+        response = method(request, timeout=CALL_TIMEOUT_S)
+    except grpc.RpcError as err:
+        got = _wire.error_from_rpc(err)
+        context = f"{rpc}: expected {expect}, got {got.code} {got.reason} {got.message!r}"
+        if expect.code == "OK" or (expect.ok_allowed and got.code == "OK"):
+            raise AssertionError(context) from None
+        assert got.code == expect.code, context
+        assert got.reason in expect.reasons, context
+        assert got.request_id, context  # every error names its request in the server log
+        if expect.code == "INVALID_ARGUMENT":
+            assert got.field, context
+            assert got.field.startswith(rpc), context
+            assert got.field in got.message, context
+        if expect.field is not None:
+            assert got.field == expect.field, context
+        return
+    assert expect.code == "OK" or expect.ok_allowed, f"{rpc}: expected {expect}, got OK"
+    if expect.response is not None:
+        assert response.SerializeToString() == expect.response, f"{rpc}: response differs"
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def encode(tensor: torch.Tensor) -> tensor_pb2.Tensor:
+    return convert.tensor_to_proto(tensor)
+
+
+def decode(message: tensor_pb2.Tensor) -> torch.Tensor:
+    dtype = convert.DTYPE_TO_TORCH[message.dtype]
+    if not message.inline:
+        return torch.empty(tuple(message.shape), dtype=dtype)
+    return torch.frombuffer(bytearray(message.inline), dtype=dtype).reshape(tuple(message.shape))
+
+
+def decode_tree(message: Any) -> Tree:
+    return Tree(
+        tokens=decode(message.tokens),
+        parents=decode(message.parents),
+        depths=decode(message.depths),
+        log_probs=decode(message.log_probs),
+        num_nodes=decode(message.num_nodes),
+        mask=decode(message.mask),
+        draft_len=int(message.draft_len),
+    )
+
+
+@dataclass
+class Inputs:
+    """Valid requests of each RPC (small shapes) and their responses from the first call."""
+
+    build: pb.BuildTreeRequest
+    accept: pb.AcceptTreeRequest
+    verify: pb.VerifyAttentionRequest
+    golden: dict[str, bytes] = field(default_factory=dict)
+
+
+def make_inputs() -> Inputs:
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(B, L, V, generator=generator) * 3
+    roots = torch.randint(0, V, (B,), generator=generator)
+    tree = kernels.build_tree(logits, roots, BUDGET, backend="reference")
+    targets = tree.tokens.roll(-1, dims=1).clamp(min=0)
+    cache = torch.randn(NUM_PAGES, PAGE, HEAD_DIM, generator=generator).to(torch.bfloat16)
+    table = torch.randperm(NUM_PAGES, generator=generator).to(torch.int32).reshape(B, MAX_PAGES)
+    lens = torch.tensor([0, 3], dtype=torch.int32)
+    q = torch.randn(B, tree.num_nodes_max, HEADS, HEAD_DIM, generator=generator)
+    wire_tree = convert.tree_to_proto(tree)
+    return Inputs(
+        build=pb.BuildTreeRequest(draft_logits=encode(logits), root_tokens=encode(roots), budget=5),
+        accept=pb.AcceptTreeRequest(
+            tree=wire_tree,
+            target_tokens=encode(targets),
+            kv_commit=pb.KvCommit(
+                kv_cache=encode(cache), block_table=encode(table), prefix_lens=encode(lens)
+            ),
+        ),
+        verify=pb.VerifyAttentionRequest(
+            q=encode(q.to(torch.bfloat16)),
+            kv_cache=encode(cache),
+            block_table=encode(table),
+            prefix_lens=encode(lens),
+            tree=wire_tree,
+            v_dim=V_DIM,
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------- reference oracle
+
+
+def flag_error(op: str, flags: torch.Tensor, rpc: str) -> Expect | None:
+    bad = torch.nonzero(flags).flatten().tolist()
+    if not bad:
+        return None
+    value = ErrorFlag(int(flags[bad[0]]))
+    for flag, reason in _FLAG_REASONS[op]:
+        if flag in value:
+            return Expect("INVALID_ARGUMENT", frozenset({reason}))
+    return any_argument_error(rpc)
+
+
+def oracle_build(request: pb.BuildTreeRequest) -> Expect:
+    logits, roots = decode(request.draft_logits), decode(request.root_tokens)
+    budget: int | torch.Tensor
+    budget = decode(request.budgets) if request.HasField("budgets") else int(request.budget)
+    flags = torch.zeros(logits.shape[0], dtype=torch.int32)
+    temperature = request.temperature if request.HasField("temperature") else 1.0
+    try:
+        tree = kernels.build_tree(
+            logits,
+            roots,
+            budget,
+            temperature=temperature,
+            max_budget=int(request.max_budget) or None,
+            error_flags=flags,
+            backend="reference",
+        )
+    except ValueError:
+        return any_argument_error("build_tree")
+    failure = flag_error("build_tree", flags, "build_tree")
+    if failure is not None:
+        return failure
+    return ok(pb.BuildTreeResponse(tree=convert.tree_to_proto(tree)).SerializeToString())
+
+
+def oracle_accept(request: pb.AcceptTreeRequest) -> Expect:
+    tree = decode_tree(request.tree)
+    targets = decode(request.target_tokens)
+    flags = torch.zeros(tree.tokens.shape[0], dtype=torch.int32)
+    try:
+        acceptance = kernels.accept(tree, targets, error_flags=flags, backend="reference")
+    except ValueError:
+        return any_argument_error("accept_tree")
+    failure = flag_error("accept", flags, "accept_tree")
+    if failure is not None:
+        return failure
+    response = pb.AcceptTreeResponse(acceptance=convert.acceptance_to_proto(acceptance))
+    if request.HasField("kv_commit"):
+        cache = decode(request.kv_commit.kv_cache).clone()
+        try:
+            kernels.commit_kv(
+                cache,
+                decode(request.kv_commit.block_table),
+                decode(request.kv_commit.prefix_lens),
+                acceptance,
+                error_flags=flags,
+                backend="reference",
+            )
+        except ValueError:
+            return any_argument_error("accept_tree")
+        failure = flag_error("commit_kv", flags, "accept_tree")
+        if failure is not None:
+            return failure
+        response.kv_cache.CopyFrom(encode(cache))
+    return ok(response.SerializeToString())
+
+
+def oracle_verify(request: pb.VerifyAttentionRequest) -> Expect:
+    tree = decode_tree(request.tree)
+    flags = torch.zeros(tree.tokens.shape[0], dtype=torch.int32)
+    try:
+        out, lse = kernels.verify_attention(
+            decode(request.q),
+            decode(request.kv_cache),
+            decode(request.block_table),
+            decode(request.prefix_lens),
+            tree,
+            v_dim=request.v_dim if request.HasField("v_dim") else 512,
+            sm_scale=request.sm_scale if request.HasField("sm_scale") else None,
+            error_flags=flags,
+            backend="reference",
+        )
+    except ValueError:
+        return any_argument_error("verify_attention")
+    failure = flag_error("verify_attention", flags, "verify_attention")
+    if failure is not None:
+        return failure
+    return ok(pb.VerifyAttentionResponse(out=encode(out), lse=encode(lse)).SerializeToString())
+
+
+# ---------------------------------------------------------------------------- mutations
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A tensor field of a request: its path from the request and its allowed dtypes."""
+
+    path: tuple[str, ...]
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+
+
+def _parent(request: Any, path: tuple[str, ...]) -> Any:
+    message = request
+    for part in path[:-1]:
+        message = getattr(message, part)
+    return message
+
+
+def _tensor(request: Any, slot: Slot) -> tensor_pb2.Tensor:
+    return getattr(_parent(request, slot.path), slot.path[-1])  # type: ignore[no-any-return]
+
+
+_HUGE = st.sampled_from([2**31, 2**32 + 1, 2**40, 2**62, 2**63 - 1])
+_EXTENT = st.one_of(st.integers(-3, 12), _HUGE, st.just(-(2**63)))
+_SHAPES = st.lists(_EXTENT, min_size=0, max_size=5)
+
+
+@st.composite
+def tensor_change(draw: st.DrawFn, slots: tuple[Slot, ...], refs: bool = False) -> tuple:
+    """A structural change of one tensor field; returns ``(slot, apply, expect_or_None)``.
+
+    ``None`` means "run the reference oracle on the changed request".
+    """
+    slot = draw(st.sampled_from(slots))
+    kind = draw(st.sampled_from(["dtype", "length", "shape", "reshape", "no_data", "unset", "ref"]))
+    field = slot.name
+
+    def apply_fn(fn: Callable[[tensor_pb2.Tensor], None]) -> Callable[[Any], None]:
+        return lambda request: fn(_tensor(request, slot))
+
+    if kind == "dtype":
+        dtype = draw(st.integers(0, 12))
+
+        def expect_dtype(message: tensor_pb2.Tensor) -> Expect | None:
+            if dtype not in _ITEMSIZE:
+                return error("INVALID_TENSOR", f"{field}.dtype")
+            if _ITEMSIZE[dtype] * math.prod(message.shape) != len(message.inline):
+                return error("INVALID_TENSOR", f"{field}.inline")
+            if convert.DTYPE_TO_TORCH[dtype] not in slot.dtypes:
+                return error("INVALID_TENSOR", field)
+            return None
+
+        return slot, ("dtype", dtype), expect_dtype
+    if kind == "length":
+        delta = draw(st.integers(-64, 64).filter(bool))
+        return slot, ("length", delta), lambda m: error("INVALID_TENSOR", f"{field}.inline")
+    if kind in ("shape", "reshape"):
+        shape = draw(_SHAPES) if kind == "shape" else []  # reshape: filled in when applied
+        return slot, (kind, shape, draw(st.randoms(use_true_random=False))), None
+    if kind == "no_data":
+        return slot, ("no_data",), lambda m: error("MISSING_FIELD", field)
+    if kind == "unset":
+        return slot, ("unset",), lambda m: error("MISSING_FIELD", field)
+    token = draw(st.text(max_size=200))
+    offset = draw(st.one_of(st.integers(0, 4096), st.integers(0, 2**64 - 1)))
+    return (
+        slot,
+        ("ref", token, offset),
+        lambda m: error("MEMORY_REFERENCES_UNSUPPORTED", f"{field}.ref", "FAILED_PRECONDITION"),
+    )
+
+
+def apply_tensor_change(request: Any, change: tuple, rpc: str) -> Expect | None:
+    """Apply a ``tensor_change`` to ``request`` (in place); returns the expectation."""
+    slot, what, expect_of = change
+    message = _tensor(request, slot)
+    field = slot.name
+    kind = what[0]
+    if kind == "dtype":
+        expected = expect_of(message)
+        message.dtype = what[1]
+        return expected
+    if kind == "length":
+        delta = what[1]
+        data = message.inline
+        message.inline = data[: len(data) + delta] if delta < 0 else data + b"\x7f" * delta
+        return expect_of(message)
+    if kind in ("shape", "reshape"):
+        itemsize = _ITEMSIZE[message.dtype]
+        numel = math.prod(message.shape)
+        if kind == "reshape":
+            rng = what[2]
+            shape = [numel]
+            while len(shape) < rng.randint(1, 4):
+                shape.insert(rng.randint(0, len(shape)), 1)
+            rng.shuffle(shape)
+        else:
+            shape = what[1]
+        original = list(message.shape)
+        del message.shape[:]
+        message.shape.extend(shape)
+        if any(extent < 0 for extent in shape):
+            return error("INVALID_TENSOR", f"{field}.shape")
+        byte_size = math.prod(shape) * itemsize
+        if byte_size > MAX_TENSOR_BYTES:
+            return error("TENSOR_TOO_LARGE", field)
+        if byte_size != len(message.inline):
+            return error("INVALID_TENSOR", f"{field}.inline")
+        if shape == original:
+            return None
+        return any_argument_error(rpc, ok_allowed=True)
+    if kind == "no_data":
+        message.ClearField("inline")
+        return expect_of(message)
+    if kind == "unset":
+        _parent(request, slot.path).ClearField(slot.path[-1])
+        return expect_of(message)
+    message.ref.region_token = what[1]
+    message.ref.offset_bytes = what[2]
+    return expect_of(message)
+
+
+_INT64 = st.one_of(
+    st.integers(-3, 40),
+    st.integers(-(2**63), 2**63 - 1),
+    st.sampled_from([-(2**63), -1, 2**31 - 1, 2**31, 2**63 - 1]),
+)
+_INT32 = st.one_of(
+    st.integers(-3, 40),
+    st.integers(-(2**31), 2**31 - 1),
+    st.sampled_from([-(2**31), -1, 2**31 - 1]),
+)
+_SPECIAL_FLOATS = st.one_of(
+    st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1e38, -1e38, 1e-45]),
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+)
+
+
+@st.composite
+def value_change(draw: st.DrawFn, slots: tuple[Slot, ...]) -> tuple[Slot, list[tuple[int, Any]]]:
+    """New values at a few positions of one tensor field (same dtype and shape)."""
+    slot = draw(st.sampled_from(slots))
+    count = draw(st.integers(1, 4))
+    values = []
+    for _ in range(count):
+        position = draw(st.integers(0, 10_000))
+        if slot.dtypes[0] in _FLOATS:
+            value = draw(_SPECIAL_FLOATS)
+        elif slot.dtypes[0] == torch.int32:
+            value = draw(_INT32)
+        else:
+            value = draw(_INT64)
+        values.append((position, value))
+    return slot, values
+
+
+def apply_value_change(request: Any, change: tuple[Slot, list[tuple[int, Any]]]) -> None:
+    slot, values = change
+    message = _tensor(request, slot)
+    tensor = decode(message).clone()
+    flat = tensor.view(-1)
+    for position, value in values:
+        flat[position % flat.numel()] = value
+    message.CopyFrom(encode(tensor))
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+class FakeMapper:
+    """IPC mapper over host memory: a handle's first 8 bytes give the allocation's size."""
+
+    def __init__(self) -> None:
+        self.memory: dict[int, torch.Tensor] = {}
+
+    def open_memory(self, handle: bytes) -> tuple[int, int]:
+        size = int.from_bytes(handle[:8], "little")
+        data = torch.zeros(size, dtype=torch.uint8)
+        self.memory[data.data_ptr()] = data
+        return data.data_ptr(), size
+
+    def close_memory(self, pointer: int) -> None:
+        del self.memory[pointer]
+
+    def open_event(self, handle: bytes) -> object:
+        return handle
+
+    def wait_event(self, event: object, stream: int) -> None:
+        return None
+
+    def close_event(self, event: object) -> None:
+        return None
+
+    def as_bytes(self, pointer: int, byte_size: int, device: torch.device) -> torch.Tensor:
+        return self.memory[pointer][:byte_size]
+
+    def release(self) -> None:
+        return None
+
+
+FAKE_UUID = "GPU-00000000-fuzz-0000-0000-000000000000"
+
+
+def _config() -> ServiceConfig:
+    return ServiceConfig(
+        listen=("127.0.0.1:0",),
+        device="cpu",
+        max_batch_size=MAX_BATCH_SIZE,
+        max_tensor_bytes=MAX_TENSOR_BYTES,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+    )
+
+
+@dataclass
+class Served:
+    """A running server, a channel and stubs for raw protobuf requests."""
+
+    thread: ServerThread
+    channel: grpc.Channel
+    stub: pb_grpc.TreeSpeculationServiceStub
+
+
+def _serve(engine: Engine | None = None) -> Iterator[Served]:
+    thread = ServerThread(_config(), engine=engine)
+    thread.start()
+    channel = grpc.insecure_channel(
+        thread.addresses[0],
+        options=[
+            ("grpc.max_send_message_length", 4 * MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", 4 * MAX_MESSAGE_BYTES),
+        ],
+    )
+    try:
+        yield Served(thread, channel, pb_grpc.TreeSpeculationServiceStub(channel))
+    finally:
+        channel.close()
+        thread.stop()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """A CPU server as deployed (inline tensors only; references refused)."""
+    yield from _serve()
+
+
+@pytest.fixture(scope="module")
+def served_refs() -> Iterator[Served]:
+    """A CPU server whose engine has registered memory over host buffers (``FakeMapper``), so
+    the reference path (tokens, bounds, offsets, destinations) runs without a GPU."""
+    engine = Engine(device="cpu")
+    engine.memory = RegionTable(
+        device=torch.device("cpu"),
+        device_uuid=FAKE_UUID,
+        mapper=FakeMapper(),
+        limits=MemoryLimits(max_regions=64, max_bytes=1 << 24),
+    )
+    yield from _serve(engine)
+
+
+@pytest.fixture(scope="module")
+def inputs(served: Served) -> Inputs:
+    made = make_inputs()
+    made.golden["build"] = served.stub.BuildTree(
+        made.build, timeout=CALL_TIMEOUT_S
+    ).SerializeToString()
+    made.golden["accept"] = served.stub.AcceptTree(
+        made.accept, timeout=CALL_TIMEOUT_S
+    ).SerializeToString()
+    made.golden["verify"] = served.stub.VerifyAttention(
+        made.verify, timeout=CALL_TIMEOUT_S
+    ).SerializeToString()
+    # The golden answers are the reference's.
+    assert oracle_build(made.build).response == made.golden["build"]
+    assert oracle_accept(made.accept).response == made.golden["accept"]
+    assert oracle_verify(made.verify).response == made.golden["verify"]
+    return made
+
+
+def assert_unharmed(served: Served, inputs: Inputs) -> None:
+    """The untouched requests are answered exactly as the first time."""
+    stub = served.stub
+    assert (
+        stub.BuildTree(inputs.build, timeout=CALL_TIMEOUT_S).SerializeToString()
+        == inputs.golden["build"]
+    )
+    assert (
+        stub.AcceptTree(inputs.accept, timeout=CALL_TIMEOUT_S).SerializeToString()
+        == inputs.golden["accept"]
+    )
+    assert (
+        stub.VerifyAttention(inputs.verify, timeout=CALL_TIMEOUT_S).SerializeToString()
+        == inputs.golden["verify"]
+    )
+
+
+def _count(name: str) -> None:
+    cases_run[name] = cases_run.get(name, 0) + 1
+
+
+# ---------------------------------------------------------------------------- BuildTree
+
+BUILD_SLOTS = (
+    Slot(("draft_logits",), "build_tree.draft_logits", _FLOATS),
+    Slot(("root_tokens",), "build_tree.root_tokens", (torch.int64,)),
+)
+_MODEL = st.one_of(st.from_regex(r"[A-Za-z0-9_.:-]{0,70}", fullmatch=True), st.text(max_size=80))
+_BUDGET = st.one_of(st.integers(0, 12), st.sampled_from([MAX_BUDGET, MAX_BUDGET + 1, 2**32 - 1]))
+
+
+@st.composite
+def build_case(draw: st.DrawFn) -> tuple[str, Any]:
+    kind = draw(
+        st.sampled_from(
+            [
+                "tensor",
+                "values",
+                "budget",
+                "budgets",
+                "temperature",
+                "model",
+                "limits",
+                "unsupported",
+            ]
+        )
+    )
+    if kind == "tensor":
+        return kind, draw(tensor_change(BUILD_SLOTS))
+    if kind == "values":
+        return kind, draw(value_change(BUILD_SLOTS))
+    if kind == "budget":
+        return kind, (draw(_BUDGET), draw(st.one_of(st.just(0), _BUDGET)))
+    if kind == "budgets":
+        dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+        values = draw(st.lists(_BUDGET, min_size=B, max_size=B))
+        return kind, (dtype, values, draw(st.one_of(st.just(0), _BUDGET)))
+    if kind == "temperature":
+        return kind, draw(st.one_of(_SPECIAL_FLOATS, st.floats(-10, 10)))
+    if kind == "model":
+        return kind, draw(_MODEL)
+    if kind == "limits":
+        batch = draw(st.sampled_from([0, 1, MAX_BATCH_SIZE, MAX_BATCH_SIZE + 1]))
+        draft_len = draw(st.sampled_from([0, 1, MAX_DRAFT_LEN, MAX_DRAFT_LEN + 1]))
+        vocab = draw(st.one_of(st.sampled_from([0, 1, 2]), st.integers(1, 600)))
+        return kind, (batch, draft_len, vocab, draw(st.integers(0, 2**32 - 1)))
+    return kind, draw(st.sampled_from(["event", "outputs"]))
+
+
+def build_expectation(request: pb.BuildTreeRequest, kind: str, change: Any) -> Expect:
+    if kind == "tensor":
+        expected = apply_tensor_change(request, change, "build_tree")
+        return oracle_build(request) if expected is None else expected
+    if kind == "values":
+        apply_value_change(request, change)
+        return oracle_build(request)
+    if kind in ("budget", "budgets"):
+        if kind == "budget":
+            request.budget, request.max_budget = change
+            largest, smallest = request.budget, request.budget
+            field = "build_tree.budget"
+        else:
+            dtype, values, request.max_budget = change
+            if dtype == torch.int32:
+                values = [(v + 2**31) % 2**32 - 2**31 for v in values]
+            request.budgets.CopyFrom(encode(torch.tensor(values, dtype=dtype)))
+            largest, smallest = max(values), min(values)
+            field = "build_tree.budgets"
+        if not (smallest >= 1 and largest <= MAX_BUDGET):
+            return error("VALUE_OUT_OF_RANGE", field)
+        if request.max_budget and not largest <= request.max_budget <= MAX_BUDGET:
+            return error("VALUE_OUT_OF_RANGE", "build_tree.max_budget")
+        return oracle_build(request)
+    if kind == "temperature":
+        request.temperature = change
+        if not (math.isfinite(change) and change > 0):
+            return error("VALUE_OUT_OF_RANGE", "build_tree.temperature")
+        return oracle_build(request)
+    if kind == "model":
+        request.model = change
+        if not _MODEL_RE.match(change):
+            return error("INVALID_MODEL_LABEL", "build_tree.model")
+        return oracle_build(request)
+    if kind == "limits":
+        batch, draft_len, vocab, seed = change
+        generator = torch.Generator().manual_seed(seed)
+        logits = torch.randn(batch, draft_len, vocab, generator=generator)
+        roots = torch.randint(0, max(vocab, 1), (batch,), generator=generator)
+        request.draft_logits.CopyFrom(encode(logits))
+        request.root_tokens.CopyFrom(encode(roots))
+        field = "build_tree.draft_logits"
+        if logits.numel() * 4 > MAX_TENSOR_BYTES:
+            return error("TENSOR_TOO_LARGE", field)
+        if batch < 1:
+            return error("INVALID_TENSOR", field)
+        if batch > MAX_BATCH_SIZE:
+            return error("TENSOR_TOO_LARGE", field)
+        if not 1 <= draft_len <= MAX_DRAFT_LEN or vocab < 1:
+            return error("INVALID_TENSOR", field)
+        return oracle_build(request)
+    if change == "event":
+        request.wait_event_ipc_handle = b"\x01" * 64
+        return error(
+            "EVENT_HANDLES_UNSUPPORTED", "build_tree.wait_event_ipc_handle", "FAILED_PRECONDITION"
+        )
+    request.outputs.tokens.region_token = "x"
+    return error("MEMORY_REFERENCES_UNSUPPORTED", "build_tree.outputs", "FAILED_PRECONDITION")
+
+
+def test_build_tree_fuzz(served: Served, inputs: Inputs) -> None:
+    @settings(FUZZ, max_examples=examples("build_tree"))
+    @given(build_case())
+    def run(case: tuple[str, Any]) -> None:
+        request = pb.BuildTreeRequest()
+        request.CopyFrom(inputs.build)
+        expect = build_expectation(request, *case)
+        check(served.stub.BuildTree, request, expect, "build_tree")
+        _count("build_tree")
+
+    run()
+    assert_unharmed(served, inputs)
