@@ -356,3 +356,18 @@ def test_the_model_label_of_a_call_reaches_prometheus(service, prometheus, traff
     assert prometheus.scalar('ddtree_trees_built_total{model="kimi-k2"}') == 2
     # The unlabelled traffic is untouched.
     assert prometheus.scalar('ddtree_verify_walks_total{model=""}') == traffic.walks
+
+
+def test_prometheus_loads_and_evaluates_every_chart_rule(prometheus, traffic):
+    def evaluated() -> list[dict[str, Any]] | None:
+        with urllib.request.urlopen(f"{prometheus.url}/api/v1/rules", timeout=10) as reply:
+            groups = json.load(reply)["data"]["groups"]
+        rules = [rule for group in groups for rule in group["rules"]]
+        never = "0001-01-01T00:00:00Z"  # Prometheus's zero time: not evaluated yet
+        return rules if rules and all(r["lastEvaluation"] != never for r in rules) else None
+
+    rules = _wait_for("every rule to be evaluated", evaluated)
+    expected = yaml.safe_load(RULES.read_text())
+    names = [r.get("record") or r.get("alert") for g in expected["groups"] for r in g["rules"]]
+    assert sorted(r["name"] for r in rules) == sorted(names)
+    assert {r["name"]: r["health"] for r in rules} == dict.fromkeys(names, "ok")
