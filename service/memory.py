@@ -805,7 +805,7 @@ class CudaIpcMapper:
         driver = self._driver
         cu_handle = driver.CUipcMemHandle()
         ctypes.memmove(cu_handle.getPtr(), handle, IPC_HANDLE_BYTES)
-        flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        flags = int(driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.value)
         with self._current():
             err, pointer = driver.cuIpcOpenMemHandle(cu_handle, flags)
             if err != driver.CUresult.CUDA_SUCCESS:
@@ -848,7 +848,9 @@ class CudaIpcMapper:
     def wait_event(self, event: Any, stream: int) -> None:
         """See ``IpcMapper.wait_event``."""
         driver = self._driver
-        self._check(driver.cuStreamWaitEvent(driver.CUstream(stream), event, 0), "cuStreamWait")
+        with self._current():
+            result = driver.cuStreamWaitEvent(driver.CUstream(stream), event, 0)
+        self._check(result, "cuStreamWaitEvent")
 
     def close_event(self, event: Any) -> None:
         """See ``IpcMapper.close_event``."""
