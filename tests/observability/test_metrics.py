@@ -429,3 +429,41 @@ def test_publish_engine_reports_a_cpu_engine(metrics, registry):
     assert registry.get_sample_value("ddtree_build_info", build) == 1
     labels = {"op": "accept", "device": "cpu"}
     assert registry.get_sample_value("ddtree_op_device_seconds_count", labels) == 0
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)], ids=["cpu", "cuda"]
+)
+def test_engine_reports_its_ops_to_the_metrics(registry, device):
+    # The engine as the server runs it, with the metrics as its observer: trees, walks, the
+    # budget curve and each op's device time (CUDA events on a GPU) all arrive.
+    from ddtree.service.calls import AcceptTreeCall, BuildTreeCall
+    from ddtree.service.engine import Engine
+
+    metrics = Metrics(registry)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 50, generator=gen)
+    roots = torch.tensor([1, 2, 3])
+    with Engine(device=device, observer=metrics) as engine:
+        engine.warm_up()
+        tree = engine.build_tree(BuildTreeCall(logits, roots, 8, model="m")).result()
+        # The target picks a token absent from each tree: every walk accepts the root only.
+        missing = [min(set(range(50)) - set(row)) for row in tree.tokens.tolist()]
+        targets = torch.tensor(missing)[:, None].expand(tree.tokens.shape).contiguous()
+        targets = targets.to(tree.tokens.device)
+        walked = engine.accept_tree(AcceptTreeCall(tree, targets, model="m")).result()
+        metrics.flush()
+    assert walked.acceptance.length.tolist() == [1, 1, 1]
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, labels)
+
+    assert value("ddtree_trees_built_total", model="m") == 3
+    assert value("ddtree_draft_nodes_total", model="m") == int((tree.num_nodes - 1).sum())
+    assert value("ddtree_verify_walks_total", model="m") == 3
+    assert value("ddtree_accepted_tokens_total", model="m") == 0
+    assert value("ddtree_budget_curve_acceptance_length_total", model="m", budget="8") == 3
+    label = str(engine.device)
+    for op in ("build_tree", "accept"):
+        assert value("ddtree_op_device_seconds_count", op=op, device=label) == 1
+        assert value("ddtree_op_device_seconds_sum", op=op, device=label) > 0
