@@ -335,6 +335,8 @@ class Slot:
     path: tuple[str, ...]
     name: str
     dtypes: tuple[torch.dtype, ...]
+    oneof: str | None = None
+    """Field named when the tensor is unset, for a member of a oneof (``accept_tree.target``)."""
 
 
 def _parent(request: Any, path: tuple[str, ...]) -> Any:
@@ -388,7 +390,7 @@ def tensor_change(draw: st.DrawFn, slots: tuple[Slot, ...], refs: bool = False) 
     if kind == "no_data":
         return slot, ("no_data",), lambda m: error("MISSING_FIELD", field)
     if kind == "unset":
-        return slot, ("unset",), lambda m: error("MISSING_FIELD", field)
+        return slot, ("unset",), lambda m: error("MISSING_FIELD", slot.oneof or field)
     token = draw(st.text(max_size=200))
     offset = draw(st.one_of(st.integers(0, 4096), st.integers(0, 2**64 - 1)))
     return (
@@ -742,6 +744,170 @@ def test_build_tree_fuzz(served: Served, inputs: Inputs) -> None:
         expect = build_expectation(request, *case)
         check(served.stub.BuildTree, request, expect, "build_tree")
         _count("build_tree")
+
+    run()
+    assert_unharmed(served, inputs)
+
+
+# ---------------------------------------------------------------------------- AcceptTree
+
+
+def _tree_slots(prefix: str, path: tuple[str, ...]) -> tuple[Slot, ...]:
+    kinds = (
+        ("tokens", torch.int64),
+        ("parents", torch.int32),
+        ("depths", torch.int32),
+        ("log_probs", torch.float32),
+        ("num_nodes", torch.int32),
+        ("mask", torch.int64),
+    )
+    return tuple(Slot((*path, name), f"{prefix}.{name}", (dtype,)) for name, dtype in kinds)
+
+
+ACCEPT_TREE_SLOTS = _tree_slots("accept_tree.tree", ("tree",))
+ACCEPT_SLOTS = (
+    *ACCEPT_TREE_SLOTS,
+    Slot(("target_tokens",), "accept_tree.target_tokens", (torch.int64,), "accept_tree.target"),
+)
+_ANY_CACHE_DTYPE = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+)
+COMMIT_SLOTS = (
+    Slot(("kv_commit", "kv_cache"), "accept_tree.kv_commit.kv_cache", _ANY_CACHE_DTYPE),
+    Slot(("kv_commit", "block_table"), "accept_tree.kv_commit.block_table", (torch.int32,)),
+    Slot(("kv_commit", "prefix_lens"), "accept_tree.kv_commit.prefix_lens", (torch.int32,)),
+)
+_VALUE_SLOTS_ACCEPT = tuple(s for s in ACCEPT_SLOTS if s.path[-1] != "log_probs") + COMMIT_SLOTS[1:]
+
+
+@st.composite
+def accept_case(draw: st.DrawFn) -> tuple[str, Any]:
+    kind = draw(
+        st.sampled_from(
+            ["tensor", "values", "draft_len", "temperature", "target", "model", "no_tree"]
+        )
+    )
+    if kind == "tensor":
+        return kind, draw(tensor_change(ACCEPT_SLOTS + COMMIT_SLOTS))
+    if kind == "values":
+        return kind, draw(value_change(_VALUE_SLOTS_ACCEPT))
+    if kind == "draft_len":
+        return kind, draw(st.one_of(st.integers(0, 40), st.just(2**32 - 1)))
+    if kind == "temperature":
+        return kind, draw(_SPECIAL_FLOATS)
+    if kind == "model":
+        return kind, draw(_MODEL)
+    return kind, None
+
+
+def accept_expectation(request: pb.AcceptTreeRequest, kind: str, change: Any) -> Expect:
+    if kind == "tensor":
+        expected = apply_tensor_change(request, change, "accept_tree")
+        return oracle_accept(request) if expected is None else expected
+    if kind == "values":
+        apply_value_change(request, change)
+        return oracle_accept(request)
+    if kind == "draft_len":
+        request.tree.draft_len = change
+        if not 1 <= change <= MAX_DRAFT_LEN:
+            return error("VALUE_OUT_OF_RANGE", "accept_tree.tree.draft_len")
+        return oracle_accept(request)
+    if kind == "temperature":
+        request.temperature = change
+        if not (math.isfinite(change) and change >= 0):
+            return error("VALUE_OUT_OF_RANGE", "accept_tree.temperature")
+        if change > 0:  # sampling needs logits; this request sends tokens
+            return error("VALUE_OUT_OF_RANGE", "accept_tree.temperature")
+        return oracle_accept(request)
+    if kind == "target":
+        request.ClearField("target_tokens")
+        return error("MISSING_FIELD", "accept_tree.target")
+    if kind == "model":
+        request.model = change
+        if not _MODEL_RE.match(change):
+            return error("INVALID_MODEL_LABEL", "accept_tree.model")
+        return oracle_accept(request)
+    request.ClearField("tree")
+    return error("MISSING_FIELD", "accept_tree.tree")
+
+
+def test_accept_tree_fuzz(served: Served, inputs: Inputs) -> None:
+    @settings(FUZZ, max_examples=examples("accept_tree"))
+    @given(accept_case())
+    def run(case: tuple[str, Any]) -> None:
+        request = pb.AcceptTreeRequest()
+        request.CopyFrom(inputs.accept)
+        expect = accept_expectation(request, *case)
+        check(served.stub.AcceptTree, request, expect, "accept_tree")
+        _count("accept_tree")
+
+    run()
+    assert_unharmed(served, inputs)
+
+
+# ---------------------------------------------------------------------------- VerifyAttention
+
+VERIFY_SLOTS = (
+    Slot(("q",), "verify_attention.q", (torch.bfloat16,)),
+    Slot(("kv_cache",), "verify_attention.kv_cache", (torch.bfloat16,)),
+    Slot(("block_table",), "verify_attention.block_table", (torch.int32,)),
+    Slot(("prefix_lens",), "verify_attention.prefix_lens", (torch.int32,)),
+    *_tree_slots("verify_attention.tree", ("tree",)),
+)
+_VALUE_SLOTS_VERIFY = tuple(s for s in VERIFY_SLOTS if s.path[-1] not in ("log_probs", "tokens"))
+
+
+@st.composite
+def verify_case(draw: st.DrawFn) -> tuple[str, Any]:
+    kind = draw(st.sampled_from(["tensor", "values", "v_dim", "sm_scale", "model"]))
+    if kind == "tensor":
+        return kind, draw(tensor_change(VERIFY_SLOTS))
+    if kind == "values":
+        return kind, draw(value_change(_VALUE_SLOTS_VERIFY))
+    if kind == "v_dim":
+        return kind, draw(st.one_of(st.integers(0, HEAD_DIM + 2), st.just(2**32 - 1)))
+    if kind == "sm_scale":
+        return kind, draw(st.one_of(_SPECIAL_FLOATS, st.floats(-2, 2)))
+    return kind, draw(_MODEL)
+
+
+def verify_expectation(request: pb.VerifyAttentionRequest, kind: str, change: Any) -> Expect:
+    if kind == "tensor":
+        expected = apply_tensor_change(request, change, "verify_attention")
+        return oracle_verify(request) if expected is None else expected
+    if kind == "values":
+        apply_value_change(request, change)
+        return oracle_verify(request)
+    if kind == "v_dim":
+        request.v_dim = change
+        if not 1 <= change <= HEAD_DIM:
+            return error("VALUE_OUT_OF_RANGE", "verify_attention.v_dim")
+        return oracle_verify(request)
+    if kind == "sm_scale":
+        request.sm_scale = change
+        if not (math.isfinite(change) and change > 0):
+            return error("VALUE_OUT_OF_RANGE", "verify_attention.sm_scale")
+        return oracle_verify(request)
+    request.model = change
+    if not _MODEL_RE.match(change):
+        return error("INVALID_MODEL_LABEL", "verify_attention.model")
+    return oracle_verify(request)
+
+
+def test_verify_attention_fuzz(served: Served, inputs: Inputs) -> None:
+    @settings(FUZZ, max_examples=examples("verify_attention"))
+    @given(verify_case())
+    def run(case: tuple[str, Any]) -> None:
+        request = pb.VerifyAttentionRequest()
+        request.CopyFrom(inputs.verify)
+        expect = verify_expectation(request, *case)
+        check(served.stub.VerifyAttention, request, expect, "verify_attention")
+        _count("verify_attention")
 
     run()
     assert_unharmed(served, inputs)
