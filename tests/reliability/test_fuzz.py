@@ -36,6 +36,7 @@ from ddtree.service import convert
 from ddtree.service.config import ServiceConfig
 from ddtree.service.engine import Engine
 from ddtree.service.memory import MemoryLimits, RegionTable
+from ddtree.service.server import SERVICE_NAME
 from ddtree.v1 import tensor_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
@@ -911,3 +912,245 @@ def test_verify_attention_fuzz(served: Served, inputs: Inputs) -> None:
 
     run()
     assert_unharmed(served, inputs)
+
+
+# ---------------------------------------------------------------------------- memory RPCs
+
+
+@st.composite
+def memory_case(draw: st.DrawFn) -> tuple[str, Any]:
+    kind = draw(st.sampled_from(["register", "unregister", "list", "info"]))
+    if kind == "register":
+        return kind, pb.RegisterMemoryRequest(
+            ipc_handle=draw(st.binary(max_size=100)),
+            device_uuid=draw(st.text(max_size=60)),
+            byte_size=draw(st.one_of(st.integers(0, 4096), st.integers(0, 2**64 - 1))),
+            client_id=draw(_MODEL),
+        )
+    if kind == "unregister":
+        return kind, pb.UnregisterMemoryRequest(region_token=draw(st.text(max_size=200)))
+    if kind == "list":
+        return kind, pb.ListMemoryRequest(client_id=draw(st.text(max_size=100)))
+    return kind, pb.GetServerInfoRequest()
+
+
+def test_memory_rpcs_fuzz(served: Served, inputs: Inputs) -> None:
+    """On a server without registered memory: registration refused, no token known."""
+    stub = served.stub
+
+    @settings(FUZZ, max_examples=examples("memory_rpcs"))
+    @given(memory_case())
+    def run(case: tuple[str, Any]) -> None:
+        kind, request = case
+        if kind == "register":
+            expect = error("MEMORY_REGISTRATION_UNSUPPORTED", None, "FAILED_PRECONDITION")
+            check(stub.RegisterMemory, request, expect, "register_memory")
+        elif kind == "unregister":
+            expect = error("MEMORY_TOKEN_NOT_FOUND", "unregister_memory.region_token", "NOT_FOUND")
+            check(stub.UnregisterMemory, request, expect, "unregister_memory")
+        elif kind == "list":
+            assert not stub.ListMemory(request, timeout=CALL_TIMEOUT_S).regions
+        else:
+            assert (
+                stub.GetServerInfo(request, timeout=CALL_TIMEOUT_S).limits.max_budget == MAX_BUDGET
+            )
+        _count("memory_rpcs")
+
+    run()
+    assert_unharmed(served, inputs)
+
+
+# ---------------------------------------------------------------------------- references
+
+REGION_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Region:
+    token: str
+    byte_size: int
+
+
+@pytest.fixture(scope="module")
+def region(served_refs: Served) -> Region:
+    handle = REGION_BYTES.to_bytes(8, "little") + bytes(range(56))
+    response = served_refs.stub.RegisterMemory(
+        pb.RegisterMemoryRequest(
+            ipc_handle=handle, device_uuid=FAKE_UUID, byte_size=REGION_BYTES, client_id="fuzz"
+        ),
+        timeout=CALL_TIMEOUT_S,
+    )
+    return Region(response.region_token, response.byte_size)
+
+
+@st.composite
+def reference_case(draw: st.DrawFn, token: str) -> tuple[Slot, str, int]:
+    slot = draw(st.sampled_from(BUILD_SLOTS))
+    chosen = draw(
+        st.one_of(
+            st.just(token),
+            st.just(""),
+            st.text(max_size=200),
+            st.integers(0, len(token) - 1).map(
+                lambda i: token[:i] + ("A" if token[i] != "A" else "B") + token[i + 1 :]
+            ),
+        )
+    )
+    offset = draw(
+        st.one_of(
+            st.integers(0, REGION_BYTES + 16),
+            st.sampled_from([REGION_BYTES - 264, REGION_BYTES - 263, 2**63, 2**64 - 1]),
+            st.integers(0, 2**64 - 1),
+        )
+    )
+    return slot, chosen, offset
+
+
+def test_references_fuzz(served_refs: Served, region: Region, inputs: Inputs) -> None:
+    """Tensor references with unknown, altered and empty tokens and every kind of offset."""
+    stub = served_refs.stub
+
+    @settings(FUZZ, max_examples=examples("references"))
+    @given(reference_case(region.token))
+    def run(case: tuple[Slot, str, int]) -> None:
+        slot, token, offset = case
+        request = pb.BuildTreeRequest()
+        request.CopyFrom(inputs.build)
+        message = _tensor(request, slot)
+        byte_size = len(message.inline)
+        itemsize = _ITEMSIZE[message.dtype]
+        message.ref.region_token = token
+        message.ref.offset_bytes = offset
+        field = slot.name
+        if token != region.token:
+            expect = error("MEMORY_TOKEN_NOT_FOUND", f"{field}.ref.region_token", "NOT_FOUND")
+        elif offset % itemsize or offset + byte_size > region.byte_size:
+            expect = error("INVALID_REFERENCE", f"{field}.ref")
+        else:
+            # The region holds zeros: the oracle reads the same.
+            plain = pb.BuildTreeRequest()
+            plain.CopyFrom(inputs.build)
+            _tensor(plain, slot).inline = bytes(byte_size)
+            expect = oracle_build(plain)
+        check(stub.BuildTree, request, expect, "build_tree")
+        _count("references")
+
+    run()
+    listed = stub.ListMemory(pb.ListMemoryRequest(client_id="fuzz"), timeout=CALL_TIMEOUT_S)
+    assert [r.byte_size for r in listed.regions] == [REGION_BYTES]
+    assert region.token.encode() not in listed.SerializeToString()
+    golden = stub.BuildTree(inputs.build, timeout=CALL_TIMEOUT_S).SerializeToString()
+    assert golden == inputs.golden["build"]
+
+
+# ---------------------------------------------------------------------------- raw bytes
+
+_METHODS = {
+    "GetServerInfo": pb.GetServerInfoRequest,
+    "RegisterMemory": pb.RegisterMemoryRequest,
+    "UnregisterMemory": pb.UnregisterMemoryRequest,
+    "ListMemory": pb.ListMemoryRequest,
+    "BuildTree": pb.BuildTreeRequest,
+    "AcceptTree": pb.AcceptTreeRequest,
+    "VerifyAttention": pb.VerifyAttentionRequest,
+}
+
+
+def _parses(request_type: Any, raw: bytes) -> bool:
+    try:
+        request_type.FromString(raw)
+    except Exception:  # any parse failure: DecodeError, invalid UTF-8 in a string field
+        return False
+    return True
+
+
+def check_raw(channel: grpc.Channel, method: str, raw: bytes) -> str:
+    """Send ``raw`` bytes as the request of ``method``; returns the status code's name."""
+    call = channel.unary_unary(f"/{SERVICE_NAME}/{method}")
+    try:
+        call(raw, timeout=CALL_TIMEOUT_S)
+    except grpc.RpcError as err:
+        got = _wire.error_from_rpc(err)
+        context = f"{method} {raw[:40]!r}: {got.code} {got.reason} {got.message!r}"
+        assert got.code not in ("UNKNOWN", "INTERNAL", "DEADLINE_EXCEEDED"), context
+        if not _parses(_METHODS[method], raw):
+            assert (got.code, got.reason, got.field) == (
+                "INVALID_ARGUMENT",
+                "MALFORMED_REQUEST",
+                "request",
+            ), context
+            assert f"not a valid ddtree.v1.{method}Request" in got.message, context
+        else:
+            assert got.reason and got.request_id, context
+        return got.code
+    assert _parses(_METHODS[method], raw), f"{method}: {raw[:40]!r} answered OK"
+    return "OK"
+
+
+def test_raw_bytes_fuzz(served: Served, inputs: Inputs) -> None:
+    """Bytes that are not protobuf (and some that happen to be) for every method."""
+    valid = inputs.build.SerializeToString()
+
+    @settings(FUZZ, max_examples=examples("raw_bytes"))
+    @given(
+        st.sampled_from(sorted(_METHODS)),
+        st.one_of(
+            st.binary(max_size=300),
+            st.builds(
+                lambda cut, junk: valid[:cut] + junk,
+                st.integers(0, len(valid)),
+                st.binary(max_size=8),
+            ),
+        ),
+    )
+    def run(method: str, raw: bytes) -> None:
+        check_raw(served.channel, method, raw)
+        _count("raw_bytes")
+
+    run()
+    assert_unharmed(served, inputs)
+
+
+def test_messages_at_and_past_the_size_limit(served: Served, inputs: Inputs) -> None:
+    base = pb.BuildTreeRequest()
+    base.CopyFrom(inputs.build)
+    base.model = "m"
+    padding = MAX_MESSAGE_BYTES - base.ByteSize()
+    # At the limit: a valid protobuf (an over-long model label) gets its validation answer.
+    at_limit = pb.BuildTreeRequest()
+    at_limit.CopyFrom(base)
+    at_limit.model = "m" * (1 + padding)
+    while at_limit.ByteSize() > MAX_MESSAGE_BYTES:
+        at_limit.model = at_limit.model[:-1]
+    assert at_limit.ByteSize() == MAX_MESSAGE_BYTES
+    check(
+        served.stub.BuildTree,
+        at_limit,
+        error("INVALID_MODEL_LABEL", "build_tree.model"),
+        "build_tree",
+    )
+    assert check_raw(served.channel, "BuildTree", b"\xff" * MAX_MESSAGE_BYTES) == "INVALID_ARGUMENT"
+    # Past the limit: gRPC refuses the message before the service sees it.
+    past = pb.BuildTreeRequest()
+    past.CopyFrom(at_limit)
+    past.model += "m"
+    for request in (past, b"\xff" * (MAX_MESSAGE_BYTES + 1)):
+        call = (
+            served.stub.BuildTree
+            if isinstance(request, pb.BuildTreeRequest)
+            else served.channel.unary_unary(f"/{SERVICE_NAME}/BuildTree")
+        )
+        with pytest.raises(grpc.RpcError) as raised:
+            call(request, timeout=CALL_TIMEOUT_S)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert_unharmed(served, inputs)
+
+
+def test_cases_total() -> None:
+    """The fuzz tests above ran at least 10,000 cases in all (at the default scale)."""
+    expected = {name: examples(name) for name in EXAMPLES}
+    if len(cases_run) < len(EXAMPLES):
+        pytest.skip(f"runs after every fuzz test (ran: {sorted(cases_run)})")
+    assert cases_run == expected
+    if os.environ.get("DDTREE_FUZZ_SCALE", "1") == "1":
+        assert sum(cases_run.values()) >= 10_000
