@@ -1,0 +1,42 @@
+"""The load driver (bench/load.py) for a few seconds: no errors, flat memory, threads and fds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+LOAD = Path(__file__).resolve().parents[2] / "bench" / "load.py"
+
+
+def _load_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ddtree_bench_load", LOAD)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_short_load_holds_without_errors(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    load = _load_module()
+    argv = ["--clients", "4", "--duration-s", "4", "--warm-up-s", "1", "--device", "cpu"]
+    assert load.main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["errors"] == 0, report["first_errors"]
+    assert report["calls"] > 0
+    for method in ("BuildTree", "AcceptTree", "VerifyAttention"):
+        latency = report["latency"][method]
+        assert latency["calls"] > 0
+        assert 0 < latency["p50_ms"] <= latency["p99_ms"] <= latency["p999_ms"]
+    server = report["server"]
+    assert server["threads_end"] == server["threads_start"]
+    assert server["fds_end"] == server["fds_start"]
+    assert server["rss_growth_fraction"] <= 0.05
+    assert server["exit_code_after_sigterm"] == 0
