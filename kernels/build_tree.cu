@@ -1,21 +1,27 @@
-// build_tree: the DDTree draft tree on the GPU in three launches with no host round trip.
+// build_tree: the DDTree draft tree on the GPU in two or three launches with no host round trip.
 //
 // Python reference: ddtree.kernels.reference.build_tree (contract: ddtree.kernels.build.build_tree).
 // Rows are (request, depth) pairs, row = b * draft_len + (depth - 1). K = min(max_budget, V).
 //
-// 1. ddtree_build_partial  grid (num_chunks, rows), block PARTIAL_THREADS (256), dynamic shared
-//    memory (256 * TOPM + chunk) * 8 bytes, chunk = 256 * ELEMS entries. Each block reads one
-//    chunk of one row of logits exactly once (16-byte loads) into registers, ELEMS per thread.
-//    It writes the chunk's max finite x, its sum of exp(x - max) and its count of +inf, and its
-//    top min(K, chunk) entries as 64-bit composites order_key(x) << 32 | ~token (larger
-//    composite = larger scaled logit x, equal x smaller token id). Selection: every thread
-//    nominates its TOPM largest composites; the K-th largest nomination (radix select in shared
-//    memory) is a lower bound of the chunk's K-th largest, so only entries above it (at most K
-//    threads hold any) are compacted to shared memory and radix-selected exactly.
+// 1. ddtree_build_topk  grid (num_chunks, rows), block TOPK_THREADS (512), dynamic shared memory
+//    (cap + spare) * 8 bytes. Each block streams one span of one row of logits exactly once, in
+//    tiles of TOPK_THREADS * LOADS 16-byte vectors (the next tile's loads are in flight while a
+//    tile is processed). Per thread it keeps an online max and sum of exp(x - max) over finite x
+//    and a count of +inf. Candidates are 64-bit composites order_key(x) << 32 | ~token (larger
+//    composite = larger scaled logit x, equal x smaller token id). Only entries whose composite
+//    is >= a running threshold enter the shared buffer `cand`: the threshold is first a lower
+//    bound of the K-th largest entry of the first tile (the K-th largest of the threads' tile
+//    maxima, when K <= TOPK_THREADS), then, after every compaction of the buffer to its `keep`
+//    largest entries (radix select), the smallest kept composite. On random logits only
+//    O(K log(V / K)) entries ever pass, so a tile costs one barrier. NaN and -inf entries are
+//    never candidates (they are impossible tokens and do not change the count of possible ones).
+//    With one chunk per row (num_chunks == 1) the block sorts its K survivors and writes the
+//    row's outputs itself; otherwise it writes its statistics and `keep` composites for 2.
 // 2. ddtree_build_merge  grid (rows), block MERGE_THREADS, dynamic shared memory
-//    num_chunks * chunk_keep * 8 + pow2(K) * 8 bytes. Combines the chunk statistics into the
-//    row's log-sum-exp, selects the row's top-K composites, sorts them (bitonic), and writes the
-//    sorted top-K tokens, their log-probabilities and the number of possible ones.
+//    num_chunks * keep * 8 + sort_size * 8 bytes (only when num_chunks > 1). Combines the chunk
+//    statistics into the row's log-sum-exp, selects the row's top-K composites, sorts them
+//    (bitonic), and writes the sorted top-K tokens, their log-probabilities and the number of
+//    possible ones.
 // 3. ddtree_build_select  grid (batch_size), block 32 * ceil(max_budget / 32) threads, one
 //    frontier slot per thread. Best-first selection: each pop is a block-wide argmax over the
 //    frontier (score descending, rank tuple lexicographically ascending; ties are resolved by
@@ -30,18 +36,22 @@
 // budgets (clamped to [0, num_nodes_max - 1]), error_flags (non-zero on entry -> root-only tree).
 #include "common.cuh"
 
-#ifndef PARTIAL_THREADS
-#define PARTIAL_THREADS 256
+#ifndef TOPK_THREADS
+#define TOPK_THREADS 512
 #endif
-#ifndef ELEMS
-#define ELEMS 16
+#ifndef LOADS
+#define LOADS 2
 #endif
-#ifndef TOPM
-#define TOPM 1
+#ifndef TOPK_MIN_BLOCKS
+#define TOPK_MIN_BLOCKS 2
 #endif
 #ifndef MERGE_THREADS
 #define MERGE_THREADS 512
 #endif
+
+#define DDTREE_LOG2E 1.4426950408889634f
+// Composite of the smallest finite value with the largest token id: below every possible entry.
+#define DDTREE_FINITE_FLOOR (((uint64_t)0x00800000u) << 32)
 
 __device__ __forceinline__ uint64_t ddtree_composite(float x, uint32_t token) {
   x += 0.0f;  // -0.0 and +0.0 compare equal in the reference's sort: rank them by id alone
@@ -56,29 +66,55 @@ __device__ __forceinline__ uint32_t ddtree_composite_token(uint64_t c) {
   return 0xFFFFFFFFu - (uint32_t)(c & 0xFFFFFFFFull);
 }
 
-// Radix select over n distinct composites in shared memory: afterwards the k largest are exactly
-// those with (c & *mask) >= *prefix (all of them when k >= n). Every thread of the block must
-// call it; hist holds 256 counters and state 4 words of shared memory.
-__device__ void ddtree_radix_select(const uint64_t* vals, int n, int k, uint32_t* hist,
-                                    uint64_t* state, uint64_t* prefix_out, uint64_t* mask_out) {
+// Shared-memory scratch of ddtree_radix_select.
+struct DdtreeRadix {
+  uint32_t hist[256];
+  uint64_t prefix, mask, remaining, done, all_and, all_or;
+};
+
+// Radix select over n composites in shared memory: afterwards the k largest are among those with
+// (c & *mask) >= *prefix, exactly those when the composites are distinct (all of them when
+// k >= n). Digits in which every composite agrees are skipped. Every thread of the block must
+// call it.
+__device__ void ddtree_radix_select(const uint64_t* vals, int n, int k, DdtreeRadix* rs,
+                                    uint64_t* prefix_out, uint64_t* mask_out) {
   const int tid = threadIdx.x;
   if (k >= n) {
     *prefix_out = 0;
     *mask_out = 0;
     return;
   }
-  // state: [0] prefix, [1] mask, [2] remaining, [3] done
   if (tid == 0) {
-    state[0] = 0;
-    state[1] = 0;
-    state[2] = (uint64_t)k;
-    state[3] = 0;
+    rs->prefix = 0;
+    rs->mask = 0;
+    rs->remaining = (uint64_t)k;
+    rs->done = 0;
+    rs->all_and = ~0ull;
+    rs->all_or = 0;
   }
+  __syncthreads();
+  uint64_t all_and = ~0ull, all_or = 0;
+  for (int i = tid; i < n; i += blockDim.x) {
+    all_and &= vals[i];
+    all_or |= vals[i];
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    all_and &= __shfl_xor_sync(0xFFFFFFFFu, all_and, off);
+    all_or |= __shfl_xor_sync(0xFFFFFFFFu, all_or, off);
+  }
+  if ((tid & 31) == 0) {
+    atomicAnd(reinterpret_cast<unsigned long long*>(&rs->all_and), all_and);
+    atomicOr(reinterpret_cast<unsigned long long*>(&rs->all_or), all_or);
+  }
+  __syncthreads();
+  const uint64_t varying = rs->all_and ^ rs->all_or;
   for (int shift = 56; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+    if (((varying >> shift) & 0xFFull) == 0) continue;  // block-uniform
+    for (int i = tid; i < 256; i += blockDim.x) rs->hist[i] = 0;
     __syncthreads();
-    const uint64_t prefix = state[0];
-    const uint64_t mask = state[1];
+    const uint64_t prefix = rs->prefix;
+    const uint64_t mask = rs->mask;
     // The high digits of one row's keys are nearly all equal: aggregate equal bins per warp
     // before the shared-memory atomic, or the atomics serialise.
     const int rounded = (n + blockDim.x - 1) / blockDim.x * blockDim.x;
@@ -89,15 +125,15 @@ __device__ void ddtree_radix_select(const uint64_t* vals, int n, int k, uint32_t
         if ((v & mask) == prefix) bin = (uint32_t)(v >> shift) & 255u;
       }
       const uint32_t peers = __match_any_sync(0xFFFFFFFFu, bin);
-      if (bin < 256u && (tid & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+      if (bin < 256u && (tid & 31) == __ffs(peers) - 1) atomicAdd(&rs->hist[bin], __popc(peers));
     }
     __syncthreads();
     if (tid < 32) {
-      const uint32_t rem = (uint32_t)state[2];
+      const uint32_t rem = (uint32_t)rs->remaining;
       // Lane l covers bins 255 - 8l down to 248 - 8l (largest digits first).
       uint32_t local = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) local += hist[255 - 8 * tid - j];
+      for (int j = 0; j < 8; ++j) local += rs->hist[255 - 8 * tid - j];
       uint32_t incl = local;
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
@@ -110,13 +146,13 @@ __device__ void ddtree_radix_select(const uint64_t* vals, int n, int k, uint32_t
         uint32_t cum = incl - local;
         for (int j = 0; j < 8; ++j) {
           const int bin = 255 - 8 * tid - j;
-          const uint32_t c = hist[bin];
+          const uint32_t c = rs->hist[bin];
           if (cum + c >= rem) {
             const uint32_t new_rem = rem - cum;
-            state[0] = prefix | ((uint64_t)bin << shift);
-            state[1] = mask | ((uint64_t)0xFF << shift);
-            state[2] = new_rem;
-            state[3] = (c == new_rem) ? 1 : 0;
+            rs->prefix = prefix | ((uint64_t)bin << shift);
+            rs->mask = mask | ((uint64_t)0xFF << shift);
+            rs->remaining = new_rem;
+            rs->done = (c == new_rem) ? 1 : 0;
             break;
           }
           cum += c;
@@ -124,10 +160,11 @@ __device__ void ddtree_radix_select(const uint64_t* vals, int n, int k, uint32_t
       }
     }
     __syncthreads();
-    if (state[3]) break;
+    if (rs->done) break;
   }
-  *prefix_out = state[0];
-  *mask_out = state[1];
+  *prefix_out = rs->prefix;
+  *mask_out = rs->mask;
+  __syncthreads();  // rs is reused by the caller's next select
 }
 
 __device__ __forceinline__ float ddtree_block_reduce_max(float v, float* scratch) {
@@ -152,146 +189,307 @@ __device__ __forceinline__ float ddtree_block_reduce_sum(float v, float* scratch
   return v;
 }
 
-// Inserts composite c into a descending list of the thread's TOPM largest composites.
-__device__ __forceinline__ void ddtree_top_insert(uint64_t (&top)[TOPM], uint64_t c) {
-#pragma unroll
-  for (int j = 0; j < TOPM; ++j) {
-    const uint64_t t = top[j];
-    const bool swap = c > t;
-    top[j] = swap ? c : t;
-    c = swap ? t : c;
+// Sorts sorted[0, size) descending (size a power of two). Every thread of the block must call it.
+__device__ void ddtree_bitonic_desc(uint64_t* sorted, int size) {
+  for (int width = 2; width <= size; width <<= 1) {
+    for (int stride = width >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < size; i += blockDim.x) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const uint64_t a = sorted[i], c = sorted[j];
+          const bool descending = (i & width) == 0;
+          if (descending ? (a < c) : (a > c)) {
+            sorted[i] = c;
+            sorted[j] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
   }
 }
 
-extern "C" __global__ void __launch_bounds__(PARTIAL_THREADS) ddtree_build_partial(
-    const ddtree_logit_t* __restrict__ logits,  // [rows, vocab]
-    float temperature, int32_t vocab, int32_t num_chunks, int32_t keep, int32_t cand_capacity,
-    int32_t vectorized,
-    uint64_t* __restrict__ part_keys,   // [rows, num_chunks, keep]
-    float* __restrict__ part_stats) {   // [rows, num_chunks, 3]: max, sum exp(x - max), +inf count
-  // Shared memory: the threads' top-TOPM lists, then up to cand_capacity candidates.
-  extern __shared__ uint64_t smem[];
-  uint64_t* lists = smem;                               // [PARTIAL_THREADS * TOPM]
-  uint64_t* cand = smem + PARTIAL_THREADS * TOPM;       // [cand_capacity]
-  __shared__ uint32_t hist[256];
-  __shared__ uint64_t state[4];
-  __shared__ float scratch[32];
-  __shared__ int counter;
-  constexpr int VEC = 16 / sizeof(ddtree_logit_t);
-  constexpr int CHUNK = PARTIAL_THREADS * ELEMS;
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int chunk = blockIdx.x;
-  const int64_t row = blockIdx.y;
-  const int start = chunk * CHUNK;
-  const int len = min(CHUNK, vocab - start);
-  const ddtree_logit_t* src = logits + row * (int64_t)vocab + start;
+// Writes a row's outputs from its composites sorted descending (pads are composite 0): the
+// top_k tokens, their log-probabilities under the row statistics (max finite x, log of the sum
+// of exp(x - max), count of +inf) and the number of possible ones.
+__device__ void ddtree_write_row(const uint64_t* sorted, int64_t row, int top_k, int vocab,
+                                 float m, float log_sum, float inf, float* scratch,
+                                 float* __restrict__ topk_lp, int32_t* __restrict__ topk_tok,
+                                 int32_t* __restrict__ topk_count) {
+  int valid = 0;
+  for (int r = threadIdx.x; r < top_k; r += blockDim.x) {
+    const uint64_t c = sorted[r];
+    const float x = ddtree_composite_value(c);
+    const uint32_t token = ddtree_composite_token(c);
+    float lp = -DDTREE_INF;
+    if (token < (uint32_t)vocab) {
+      if (inf > 0.0f) {
+        if (x == DDTREE_INF) lp = -logf(inf);
+      } else if (x > -DDTREE_INF) {
+        lp = (x - m) - log_sum;
+      }
+    }
+    topk_lp[row * top_k + r] = lp;
+    topk_tok[row * top_k + r] = (int32_t)token;
+    valid += lp > -DDTREE_INF ? 1 : 0;
+  }
+  const float total = ddtree_block_reduce_sum((float)valid, scratch);
+  if (threadIdx.x == 0) topk_count[row] = (int32_t)total;
+}
 
-  // Element e of vector j of this thread is chunk entry (tid + j * PARTIAL_THREADS) * VEC + e:
-  // consecutive threads read consecutive 16-byte vectors. The chunk stays in registers.
-  float x[ELEMS];
+// Shared state of ddtree_build_topk besides the candidate buffer.
+struct DdtreeTopkShared {
+  DdtreeRadix radix;
+  uint64_t threshold;  // entries with a smaller composite can no longer be in the top `keep`
+  uint64_t kept_min;
+  int count;           // entries in cand
+  int moved;
+  float scratch[32];
+};
+
+// Keeps the `keep` largest of the n composites in cand (n > keep) and raises the threshold to
+// the smallest of them. Every thread of the block must call it.
+__device__ void ddtree_compact(uint64_t* cand, uint64_t* spare, int n, int keep,
+                               DdtreeTopkShared* sh) {
+  uint64_t prefix, mask;
+  ddtree_radix_select(cand, n, keep, &sh->radix, &prefix, &mask);
+  if (threadIdx.x == 0) {
+    sh->moved = 0;
+    sh->kept_min = ~0ull;
+  }
+  __syncthreads();
+  uint64_t low = ~0ull;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const uint64_t c = cand[i];
+    if ((c & mask) >= prefix) {
+      const int p = atomicAdd(&sh->moved, 1);
+      if (p < keep) spare[p] = c;
+      low = c < low ? c : low;
+    }
+  }
+  if (low != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(&sh->kept_min), low);
+  __syncthreads();
+  const int kept = min(sh->moved, keep);
+  for (int i = threadIdx.x; i < kept; i += blockDim.x) cand[i] = spare[i];
+  if (threadIdx.x == 0) {
+    sh->count = kept;
+    if (sh->kept_min > sh->threshold) sh->threshold = sh->kept_min;
+  }
+  __syncthreads();
+}
+
+constexpr int DDTREE_VEC = 16 / sizeof(ddtree_logit_t);
+constexpr int DDTREE_TILE_ELEMS = LOADS * DDTREE_VEC;  // entries per thread per tile
+constexpr int DDTREE_TILE = TOPK_THREADS * DDTREE_TILE_ELEMS;
+
+// Raw 16-byte vectors of one tile: vector j of thread t covers tile entries
+// (t + j * TOPK_THREADS) * VEC .. + VEC - 1 (consecutive threads read consecutive vectors).
+struct DdtreeTile {
+  uint4 v[LOADS];
+};
+
+__device__ __forceinline__ void ddtree_load_tile(DdtreeTile& t, const ddtree_logit_t* src,
+                                                 int start, int end, bool vectorized) {
 #pragma unroll
-  for (int j = 0; j < ELEMS / VEC; ++j) {
-    const int first = (tid + j * PARTIAL_THREADS) * VEC;
-    if (vectorized && first + VEC <= len) {
-      uint4 raw = __ldg(reinterpret_cast<const uint4*>(src + first));
-      const ddtree_logit_t* e = reinterpret_cast<const ddtree_logit_t*>(&raw);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) x[j * VEC + k] = ddtree_scaled_logit(e[k], temperature);
+  for (int j = 0; j < LOADS; ++j) {
+    const int first = start + (threadIdx.x + j * TOPK_THREADS) * DDTREE_VEC;
+    if (vectorized && first + DDTREE_VEC <= end) {
+      t.v[j] = __ldg(reinterpret_cast<const uint4*>(src + first));
     } else {
+      ddtree_logit_t* e = reinterpret_cast<ddtree_logit_t*>(&t.v[j]);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        x[j * VEC + k] = first + k < len ? ddtree_scaled_logit(src[first + k], temperature)
-                                         : __int_as_float(0x7FC00000);  // NaN: not an entry
+      for (int k = 0; k < DDTREE_VEC; ++k) {
+        // Past the end: NaN, which is never a candidate and adds nothing to the statistics.
+        e[k] = first + k < end ? src[first + k] : ddtree_logit_t(__int_as_float(0x7FC00000));
       }
     }
   }
-  float local_max = -DDTREE_INF, local_inf = 0.0f;
-  uint64_t top[TOPM];
+}
+
+__device__ __forceinline__ uint32_t ddtree_tile_token(int start, int i) {
+  return (uint32_t)(start + (threadIdx.x + (i / DDTREE_VEC) * TOPK_THREADS) * DDTREE_VEC +
+                    (i % DDTREE_VEC));
+}
+
+// Streams one span of one row; see the file comment (launch 1). UNIT: temperature == 1.
+template <bool UNIT>
+__device__ void ddtree_topk_body(const ddtree_logit_t* __restrict__ src, float temperature,
+                                 int begin, int end, int keep, int cap, bool vectorized,
+                                 uint64_t* cand, uint64_t* spare, DdtreeTopkShared* sh,
+                                 float& m, float& s, float& infs) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  DdtreeTile next;
+  if (begin < end) ddtree_load_tile(next, src, begin, end, vectorized);
+  for (int start = begin; start < end; start += DDTREE_TILE) {
+    float x[DDTREE_TILE_ELEMS];
 #pragma unroll
-  for (int j = 0; j < TOPM; ++j) top[j] = 0;
+    for (int j = 0; j < LOADS; ++j) {
+      const ddtree_logit_t* e = reinterpret_cast<const ddtree_logit_t*>(&next.v[j]);
 #pragma unroll
-  for (int i = 0; i < ELEMS; ++i) {
-    const float v = x[i];
-    if (v == DDTREE_INF) local_inf += 1.0f;
-    else if (!isnan(v)) local_max = fmaxf(local_max, v);
-    if (!isnan(v)) {
-      const int idx = (tid + (i / VEC) * PARTIAL_THREADS) * VEC + (i % VEC);
-      ddtree_top_insert(top, ddtree_composite(v, (uint32_t)(start + idx)));
+      for (int k = 0; k < DDTREE_VEC; ++k) {
+        const float f = ddtree_to_float(e[k]);
+        x[j * DDTREE_VEC + k] = UNIT ? f : f / temperature;
+      }
+    }
+    if (start + DDTREE_TILE < end) ddtree_load_tile(next, src, start + DDTREE_TILE, end, vectorized);
+
+    // Statistics. fmaxf ignores NaN, so tmax is the largest non-NaN entry.
+    float tmax = -DDTREE_INF;
+#pragma unroll
+    for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) tmax = fmaxf(tmax, x[i]);
+    bool careful = tmax == DDTREE_INF;
+    if (!careful && tmax > -DDTREE_INF) {
+      if (tmax > m) {
+        s *= exp2f((m - tmax) * DDTREE_LOG2E);
+        m = tmax;
+      }
+      const float mb = m * DDTREE_LOG2E;
+      float ts = 0.0f;
+#pragma unroll
+      for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) ts += exp2f(fmaf(x[i], DDTREE_LOG2E, -mb));
+      if (isnan(ts)) careful = true;  // a NaN entry
+      else s += ts;
+    }
+    if (careful) {
+      float fmax = -DDTREE_INF;
+#pragma unroll
+      for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
+        const float v = x[i];
+        if (v == DDTREE_INF) infs += 1.0f;
+        else if (v > -DDTREE_INF) fmax = fmaxf(fmax, v);
+      }
+      if (fmax > m) {
+        s *= exp2f((m - fmax) * DDTREE_LOG2E);
+        m = fmax;
+      }
+      if (m > -DDTREE_INF) {
+        const float mb = m * DDTREE_LOG2E;
+#pragma unroll
+        for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
+          const float v = x[i];
+          if (v > -DDTREE_INF && v < DDTREE_INF) s += exp2f(fmaf(v, DDTREE_LOG2E, -mb));
+        }
+      }
+    }
+
+    if (start == begin && keep <= TOPK_THREADS && keep < end - begin) {
+      // First tile: the keep-th largest of the threads' maxima bounds the keep-th largest entry
+      // from below (at least keep entries reach it).
+      uint64_t best = 0;
+#pragma unroll
+      for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
+        if (x[i] > -DDTREE_INF) {
+          const uint64_t c = ddtree_composite(x[i], ddtree_tile_token(start, i));
+          best = c > best ? c : best;
+        }
+      }
+      spare[tid] = best;
+      __syncthreads();
+      uint64_t prefix, mask;
+      ddtree_radix_select(spare, TOPK_THREADS, keep, &sh->radix, &prefix, &mask);
+      if (tid == 0 && prefix > sh->threshold) sh->threshold = prefix;
+      __syncthreads();
+    }
+
+    // Candidates: composites at or above the threshold.
+    const uint64_t threshold = sh->threshold;
+    int mine = 0;
+    if (tmax > -DDTREE_INF && ddtree_order_key(tmax + 0.0f) >= (uint32_t)(threshold >> 32)) {
+#pragma unroll
+      for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
+        if (x[i] > -DDTREE_INF && ddtree_composite(x[i], ddtree_tile_token(start, i)) >= threshold)
+          ++mine;
+      }
+    }
+    if (__any_sync(0xFFFFFFFFu, mine > 0)) {
+      int incl = mine;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int o = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+        if (lane >= off) incl += o;
+      }
+      int base = 0;
+      if (lane == 31) base = atomicAdd(&sh->count, incl);
+      base = __shfl_sync(0xFFFFFFFFu, base, 31);
+      int pos = base + incl - mine;
+      if (mine > 0) {
+#pragma unroll
+        for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
+          if (x[i] > -DDTREE_INF) {
+            const uint64_t c = ddtree_composite(x[i], ddtree_tile_token(start, i));
+            if (c >= threshold) cand[pos++] = c;
+          }
+        }
+      }
+    }
+    if (__syncthreads_or(mine > 0)) {
+      const int n = sh->count;
+      __syncthreads();
+      // After a compaction at most keep <= cap - TILE entries remain, so the next tile fits.
+      if (n > cap - DDTREE_TILE) ddtree_compact(cand, spare, n, keep, sh);
     }
   }
-  const float row_max = ddtree_block_reduce_max(local_max, scratch);
-  const float inf_count = ddtree_block_reduce_sum(local_inf, scratch);
-  float local_sum = 0.0f;
-  if (row_max > -DDTREE_INF) {
-#pragma unroll
-    for (int i = 0; i < ELEMS; ++i) {
-      const float v = x[i];
-      if (v > -DDTREE_INF && v < DDTREE_INF) local_sum += expf(v - row_max);
-    }
+}
+
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MIN_BLOCKS) ddtree_build_topk(
+    const ddtree_logit_t* __restrict__ logits,  // [rows, vocab]
+    float temperature, int32_t vocab, int32_t span, int32_t num_chunks, int32_t keep,
+    int32_t cap, int32_t vectorized,
+    uint64_t* __restrict__ part_keys,  // [rows, num_chunks, keep] (num_chunks > 1)
+    float* __restrict__ part_stats,    // [rows, num_chunks, 3]: max, sum exp(x - max), +inf count
+    int32_t top_k, int32_t sort_size,
+    float* __restrict__ topk_lp,       // [rows, top_k] (num_chunks == 1)
+    int32_t* __restrict__ topk_tok,    // [rows, top_k] (num_chunks == 1)
+    int32_t* __restrict__ topk_count) {  // [rows] (num_chunks == 1)
+  // Shared memory: cap candidates, then max(keep, sort_size, TOPK_THREADS) spare slots.
+  extern __shared__ uint64_t smem[];
+  uint64_t* cand = smem;
+  uint64_t* spare = smem + cap;
+  __shared__ DdtreeTopkShared sh;
+  const int tid = threadIdx.x;
+  const int chunk = blockIdx.x;
+  const int64_t row = blockIdx.y;
+  const int begin = chunk * span;
+  const int end = min(vocab, begin + span);
+  const ddtree_logit_t* src = logits + row * (int64_t)vocab;
+  if (tid == 0) {
+    sh.count = 0;
+    sh.threshold = DDTREE_FINITE_FLOOR;
   }
-  const float sum = ddtree_block_reduce_sum(local_sum, scratch);
+  __syncthreads();
+  float m = -DDTREE_INF, s = 0.0f, infs = 0.0f;
+  if (temperature == 1.0f) {
+    ddtree_topk_body<true>(src, temperature, begin, end, keep, cap, vectorized != 0, cand, spare,
+                           &sh, m, s, infs);
+  } else {
+    ddtree_topk_body<false>(src, temperature, begin, end, keep, cap, vectorized != 0, cand,
+                            spare, &sh, m, s, infs);
+  }
+  __syncthreads();
+  if (sh.count > keep) ddtree_compact(cand, spare, sh.count, keep, &sh);
+  const int n = min(sh.count, keep);
+  const float row_max = ddtree_block_reduce_max(m, sh.scratch);
+  const float scaled = m > -DDTREE_INF ? s * expf(m - row_max) : 0.0f;
+  const float sum = ddtree_block_reduce_sum(scaled, sh.scratch);
+  const float inf_count = ddtree_block_reduce_sum(infs, sh.scratch);
+  if (num_chunks == 1) {
+    for (int i = tid; i < sort_size; i += blockDim.x) spare[i] = i < n ? cand[i] : 0;
+    __syncthreads();
+    ddtree_bitonic_desc(spare, sort_size);
+    ddtree_write_row(spare, row, top_k, vocab, row_max, logf(sum), inf_count, sh.scratch,
+                     topk_lp, topk_tok, topk_count);
+    return;
+  }
   if (tid == 0) {
     float* stats = part_stats + (row * num_chunks + chunk) * 3;
     stats[0] = row_max;
     stats[1] = sum;
     stats[2] = inf_count;
-    counter = 0;
   }
-#pragma unroll
-  for (int j = 0; j < TOPM; ++j) lists[tid * TOPM + j] = top[j];
-  __syncthreads();
-
-  // Threshold: the keep-th largest of the threads' top lists is a lower bound of the chunk's
-  // keep-th largest entry, and at most `keep` threads hold an entry above it.
-  uint64_t prefix = 0, mask = 0;
-  const bool take_all = len <= keep;
-  if (!take_all) ddtree_radix_select(lists, PARTIAL_THREADS * TOPM, keep, hist, state, &prefix, &mask);
-  // Compact the candidates (warp-aggregated offsets).
-  int mine = 0;
-#pragma unroll
-  for (int i = 0; i < ELEMS; ++i) {
-    const float v = x[i];
-    if (!isnan(v)) {
-      const int idx = (tid + (i / VEC) * PARTIAL_THREADS) * VEC + (i % VEC);
-      mine += (ddtree_composite(v, (uint32_t)(start + idx)) & mask) >= prefix ? 1 : 0;
-    }
-  }
-  int incl = mine;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int o = __shfl_up_sync(0xFFFFFFFFu, incl, off);
-    if (lane >= off) incl += o;
-  }
-  int base = 0;
-  if (lane == 31) base = atomicAdd(&counter, incl);
-  base = __shfl_sync(0xFFFFFFFFu, base, 31);
-  int pos = base + incl - mine;
-#pragma unroll
-  for (int i = 0; i < ELEMS; ++i) {
-    const float v = x[i];
-    if (!isnan(v)) {
-      const int idx = (tid + (i / VEC) * PARTIAL_THREADS) * VEC + (i % VEC);
-      const uint64_t c = ddtree_composite(v, (uint32_t)(start + idx));
-      if ((c & mask) >= prefix && pos < cand_capacity) cand[pos++] = c;
-    }
-  }
-  __syncthreads();
-  const int n = min(counter, cand_capacity);
-  __syncthreads();
-  if (tid == 0) counter = 0;
-  __syncthreads();
-  ddtree_radix_select(cand, n, keep, hist, state, &prefix, &mask);
+  // A chunk with fewer entries pads with composite 0: below every real composite, token
+  // 0xFFFFFFFF.
   uint64_t* out = part_keys + (row * num_chunks + chunk) * (int64_t)keep;
-  for (int i = tid; i < n; i += PARTIAL_THREADS) {
-    const uint64_t c = cand[i];
-    if ((c & mask) >= prefix) {
-      const int p = atomicAdd(&counter, 1);
-      if (p < keep) out[p] = c;
-    }
-  }
-  __syncthreads();
-  // A short chunk pads with composite 0: below every real composite, token 0xFFFFFFFF.
-  for (int i = min(counter, keep) + tid; i < keep; i += PARTIAL_THREADS) out[i] = 0;
+  for (int i = tid; i < keep; i += blockDim.x) out[i] = i < n ? cand[i] : 0;
 }
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
@@ -302,8 +500,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
     int32_t* __restrict__ topk_tok,           // [rows, top_k]
     int32_t* __restrict__ topk_count) {       // [rows]
   extern __shared__ uint64_t smem[];  // [num_chunks * keep] candidates, then [sort_size] sorted
-  __shared__ uint32_t hist[256];
-  __shared__ uint64_t state[4];
+  __shared__ DdtreeRadix radix;
   __shared__ float scratch[32];
   __shared__ int counter;
   __shared__ float row_max, row_log_sum, row_inf;
@@ -335,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
   for (int i = tid; i < sort_size; i += MERGE_THREADS) sorted[i] = 0;
   __syncthreads();
   uint64_t prefix, mask;
-  ddtree_radix_select(cand, n, top_k, hist, state, &prefix, &mask);
+  ddtree_radix_select(cand, n, top_k, &radix, &prefix, &mask);
   for (int i = tid; i < n; i += MERGE_THREADS) {
     const uint64_t v = cand[i];
     if ((v & mask) >= prefix) {
@@ -344,43 +541,9 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
     }
   }
   __syncthreads();
-  // Bitonic sort, descending.
-  for (int size = 2; size <= sort_size; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = tid; i < sort_size; i += MERGE_THREADS) {
-        const int j = i ^ stride;
-        if (j > i) {
-          const uint64_t a = sorted[i], c = sorted[j];
-          const bool descending = (i & size) == 0;
-          if (descending ? (a < c) : (a > c)) {
-            sorted[i] = c;
-            sorted[j] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
-  const float inf = row_inf, m = row_max, log_sum = row_log_sum;
-  int valid = 0;
-  for (int r = tid; r < top_k; r += MERGE_THREADS) {
-    const uint64_t c = sorted[r];
-    const float x = ddtree_composite_value(c);
-    const uint32_t token = ddtree_composite_token(c);
-    float lp = -DDTREE_INF;
-    if (token < (uint32_t)vocab) {
-      if (inf > 0.0f) {
-        if (x == DDTREE_INF) lp = -logf(inf);
-      } else if (x > -DDTREE_INF) {
-        lp = (x - m) - log_sum;
-      }
-    }
-    topk_lp[row * top_k + r] = lp;
-    topk_tok[row * top_k + r] = (int32_t)token;
-    valid += lp > -DDTREE_INF ? 1 : 0;
-  }
-  const float total = ddtree_block_reduce_sum((float)valid, scratch);
-  if (tid == 0) topk_count[row] = (int32_t)total;
+  ddtree_bitonic_desc(sorted, sort_size);
+  ddtree_write_row(sorted, row, top_k, vocab, row_max, row_log_sum, row_inf, scratch, topk_lp,
+                   topk_tok, topk_count);
 }
 
 // Lexicographic comparison of the rank tuples of two candidates (parent node, rank, depth):

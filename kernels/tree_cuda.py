@@ -35,7 +35,10 @@ __all__ = [
 ]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_PARTIAL_THREADS = 256
+_TOPK_THREADS = 512
+_TOPK_LOADS = 2
+_TOPK_MIN_BLOCKS = 2
+"""Blocks of ``ddtree_build_topk`` resident per SM (its ``__launch_bounds__``)."""
 _MERGE_THREADS = 512
 _ACCEPT_THREADS = 256
 _ACCEPT_LOGIT_THREADS = 1024
@@ -50,34 +53,43 @@ _STATIC_SMEM_RESERVE = 20 * 1024
 
 @dataclass(frozen=True)
 class BuildTreePlan:
-    """Geometry of the three ``build_tree`` launches for one problem shape (see build_tree.cu)."""
+    """Geometry of the ``build_tree`` launches for one problem shape (see build_tree.cu)."""
 
     top_k: int
     """Tokens kept per (request, depth) row, ``min(max_budget, vocab_size)``."""
-    chunk_size: int
-    """Vocabulary entries one partial block reads (``256 * elems_per_thread``)."""
-    elems_per_thread: int
-    """Entries each partial thread holds in registers (``ELEMS`` in build_tree.cu)."""
-    top_m: int
-    """Entries each partial thread nominates for the chunk threshold (``TOPM``)."""
+    loads: int
+    """16-byte loads per thread and tile (``LOADS`` in build_tree.cu): 2, or 1 where shared
+    memory is short."""
+    tile: int
+    """Vocabulary entries a top-k block reads per step (``TOPK_THREADS * LOADS`` vectors)."""
+    span: int
+    """Vocabulary entries one top-k block streams (a multiple of ``tile``)."""
     num_chunks: int
+    """Top-k blocks per row; with one, the top-k block writes the row and no merge runs."""
     keep: int
-    """Candidates each partial block hands to the merge, ``min(top_k, chunk_size)``."""
+    """Candidates each top-k block keeps, ``min(top_k, span)``."""
+    cap: int
+    """Capacity of a top-k block's candidate buffer, ``tile + max(2 * keep, 1024)``: a tile
+    always fits after a compaction to ``keep``."""
     sort_size: int
-    """Power of two >= top_k, the merge's bitonic sort width."""
+    """Power of two >= top_k, the bitonic sort width."""
     lp_in_smem: bool
     """Whether the select kernel copies the per-depth log-prob table to shared memory."""
-    partial: jit.LaunchParams
-    merge: jit.LaunchParams
+    topk: jit.LaunchParams
+    merge: jit.LaunchParams | None
+    """None when ``num_chunks == 1``."""
     select: jit.LaunchParams
 
 
+@functools.lru_cache(maxsize=256)
 def build_tree_plan(
     batch_size: int,
     draft_len: int,
     vocab_size: int,
     max_budget: int,
     *,
+    element_size: int = 2,
+    num_sms: int = 132,
     max_smem_bytes: int = _MAX_SMEM_BYTES,
 ) -> BuildTreePlan:
     """Launch geometry of ``build_tree`` (pure; no GPU needed).
@@ -88,6 +100,11 @@ def build_tree_plan(
         Problem shape (B, L, V).
     max_budget : int
         ``num_nodes_max - 1``, ``1..1024``.
+    element_size : int
+        Bytes per logit (4, 2 or 2).
+    num_sms : int
+        Streaming multiprocessors of the device: rows are split into chunks until the top-k
+        launch fills them.
     max_smem_bytes : int
         Dynamic shared memory one block may use on the target device.
 
@@ -98,43 +115,57 @@ def build_tree_plan(
     Raises
     ------
     ValueError
-        The vocabulary is too large for the merge to fit in shared memory at this budget.
+        The top-k buffer does not fit in shared memory at this budget, or there are more than
+        65535 rows.
     """
     top_k = min(max_budget, vocab_size)
-    # Each partial thread nominates its top `top_m` entries; the K-th largest nomination bounds
-    # the chunk's candidates. K / chunk stays at most 1/16, so what the merge reads is small.
-    top_m = 1 if top_k <= 128 else 2 if top_k <= 256 else 4
-    elems = 16 * top_m
-    chunk = _PARTIAL_THREADS * elems
     sort_size = 1 << max(0, (top_k - 1).bit_length())
-    num_chunks = -(-vocab_size // chunk)
-    keep = min(top_k, chunk)
-    merge_smem = (num_chunks * keep + sort_size) * 8
-    partial_smem = (_PARTIAL_THREADS * top_m + chunk) * 8
-    if merge_smem > max_smem_bytes or partial_smem > max_smem_bytes:
-        raise ValueError(
-            f"draft_logits: vocab_size {vocab_size} is too large for budget {max_budget} "
-            f"(the row merge needs {merge_smem} bytes of shared memory, {max_smem_bytes} available)"
-        )
     rows = batch_size * draft_len
     if rows > 65535:
         raise ValueError(
             f"draft_logits: batch_size * draft_len = {rows} exceeds 65535 rows per launch"
         )
+    # Two 16-byte loads per thread and tile where the buffer fits, else one.
+    for loads in (_TOPK_LOADS, 1):
+        tile = _TOPK_THREADS * loads * (16 // element_size)
+        topk_smem = (tile + max(2 * top_k, 1024) + max(top_k, sort_size, _TOPK_THREADS)) * 8
+        if topk_smem <= max_smem_bytes:
+            break
+    else:
+        raise ValueError(
+            f"max_budget: {max_budget} needs {topk_smem} bytes of shared memory per block, "
+            f"{max_smem_bytes} available"
+        )
+    tiles = -(-vocab_size // tile)
+    # One block per row once the rows fill every resident slot; fewer rows get split, as far
+    # as the merge's shared memory (all chunks' candidates of a row) allows.
+    chunks = max(1, min(tiles, (num_sms * _TOPK_MIN_BLOCKS) // rows))
+    chunks = max(1, min(chunks, (max_smem_bytes // 8 - sort_size) // top_k))
+    span = -(-tiles // chunks) * tile
+    num_chunks = -(-vocab_size // span)
+    keep = min(top_k, span)
+    cap = tile + max(2 * keep, 1024)
+    topk_smem = (cap + max(keep, sort_size, _TOPK_THREADS)) * 8
+    merge_smem = (num_chunks * keep + sort_size) * 8
     lp_bytes = draft_len * top_k * 4
     lp_in_smem = lp_bytes <= min(max_smem_bytes, 96 * 1024)
     select_threads = 32 * max(1, -(-max_budget // 32))
     return BuildTreePlan(
         top_k=top_k,
-        chunk_size=chunk,
-        elems_per_thread=elems,
-        top_m=top_m,
+        tile=tile,
+        span=span,
         num_chunks=num_chunks,
         keep=keep,
+        cap=cap,
         sort_size=sort_size,
         lp_in_smem=lp_in_smem,
-        partial=jit.LaunchParams((num_chunks, rows, 1), (_PARTIAL_THREADS, 1, 1), partial_smem),
-        merge=jit.LaunchParams((rows, 1, 1), (_MERGE_THREADS, 1, 1), merge_smem),
+        topk=jit.LaunchParams((num_chunks, rows, 1), (_TOPK_THREADS, 1, 1), topk_smem),
+        merge=(
+            jit.LaunchParams((rows, 1, 1), (_MERGE_THREADS, 1, 1), merge_smem)
+            if num_chunks > 1
+            else None
+        ),
+        loads=loads,
         select=jit.LaunchParams(
             (batch_size, 1, 1), (select_threads, 1, 1), lp_bytes if lp_in_smem else 0
         ),
@@ -166,8 +197,8 @@ def commit_kv_launch_params(batch_size: int, row_bytes: int) -> jit.LaunchParams
 
 
 @functools.cache
-def _build_kernel(entry: str, dtype_code: int, elems: int, top_m: int, index: int) -> Any:
-    defines = {"DDTREE_DTYPE": dtype_code, "ELEMS": elems, "TOPM": top_m}
+def _build_kernel(entry: str, dtype_code: int, loads: int, index: int) -> Any:
+    defines = {"DDTREE_DTYPE": dtype_code, "LOADS": loads}
     kernel = jit.get_kernel("build_tree.cu", entry, defines, index)
     # Allow the largest dynamic size once (static shared memory stays under 16 KiB), so any
     # smaller size of a later launch fits too.
@@ -183,10 +214,20 @@ def _ptr(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else int(tensor.data_ptr())
 
 
+@functools.cache
 def _max_smem(index: int) -> int:
     properties = torch.cuda.get_device_properties(index)
     optin = int(properties.shared_memory_per_block_optin)  # type: ignore[attr-defined]  # not in stubs
     return min(_MAX_SMEM_BYTES, optin - _STATIC_SMEM_RESERVE)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
 
 
 def build_tree(
@@ -219,20 +260,35 @@ def build_tree(
         flags = torch.zeros(batch_size, dtype=torch.int32, device=device)  # [batch]
     else:
         flags = error_flags
+    element = draft_logits.element_size()
     plan = build_tree_plan(
-        batch_size, draft_len, vocab_size, num_nodes_max - 1, max_smem_bytes=_max_smem(index)
+        batch_size,
+        draft_len,
+        vocab_size,
+        num_nodes_max - 1,
+        element_size=element,
+        num_sms=_num_sms(index),
+        max_smem_bytes=_max_smem(index),
     )
-    variant = (_DTYPE_CODES[draft_logits.dtype], plan.elems_per_thread, plan.top_m, index)
+    code = _DTYPE_CODES[draft_logits.dtype]
     rows = batch_size * draft_len
     words = mask_words(num_nodes_max)
-    element = draft_logits.element_size()
     vectorized = vocab_size % (16 // element) == 0 and draft_logits.data_ptr() % 16 == 0
 
-    part_keys = torch.empty(rows * plan.num_chunks * plan.keep, dtype=torch.int64, device=device)
-    part_stats = torch.empty(rows * plan.num_chunks * 3, dtype=torch.float32, device=device)
-    topk_lp = torch.empty(rows, plan.top_k, dtype=torch.float32, device=device)  # [rows, k]
-    topk_tok = torch.empty(rows, plan.top_k, dtype=torch.int32, device=device)  # [rows, k]
-    topk_count = torch.empty(rows, dtype=torch.int32, device=device)  # [rows]
+    # One scratch allocation: [rows, top_k] log-probs (fp32) and tokens (int32), [rows] counts,
+    # and with several chunks per row [rows, chunks, keep] composites and [rows, chunks, 3] stats.
+    lp_bytes = _align(rows * plan.top_k * 4)
+    count_bytes = _align(rows * 4)
+    part_bytes = _align(rows * plan.num_chunks * plan.keep * 8) if plan.merge else 0
+    stats_bytes = _align(rows * plan.num_chunks * 3 * 4) if plan.merge else 0
+    scratch = torch.empty(
+        2 * lp_bytes + count_bytes + part_bytes + stats_bytes, dtype=torch.uint8, device=device
+    )
+    topk_lp = scratch.data_ptr()
+    topk_tok = topk_lp + lp_bytes
+    topk_count = topk_tok + lp_bytes
+    part_keys = topk_count + count_bytes
+    part_stats = part_keys + part_bytes
     tokens = torch.empty(batch_size, num_nodes_max, dtype=torch.int64, device=device)
     parents = torch.empty(batch_size, num_nodes_max, dtype=torch.int32, device=device)
     depths = torch.empty(batch_size, num_nodes_max, dtype=torch.int32, device=device)
@@ -242,40 +298,47 @@ def build_tree(
 
     with torch.cuda.device(index):
         jit.launch(
-            _build_kernel("ddtree_build_partial", *variant),
-            plan.partial,
+            _build_kernel("ddtree_build_topk", code, plan.loads, index),
+            plan.topk,
             _ptr(draft_logits),
             ctypes.c_float(temperature),
             _i32(vocab_size),
+            _i32(plan.span),
             _i32(plan.num_chunks),
             _i32(plan.keep),
-            _i32(plan.chunk_size),
+            _i32(plan.cap),
             _i32(int(vectorized)),
-            _ptr(part_keys),
-            _ptr(part_stats),
-            device=index,
-        )
-        jit.launch(
-            _build_kernel("ddtree_build_merge", *variant),
-            plan.merge,
-            _ptr(part_keys),
-            _ptr(part_stats),
-            _i32(plan.num_chunks),
-            _i32(plan.keep),
+            part_keys,
+            part_stats,
             _i32(plan.top_k),
             _i32(plan.sort_size),
-            _i32(vocab_size),
-            _ptr(topk_lp),
-            _ptr(topk_tok),
-            _ptr(topk_count),
+            topk_lp,
+            topk_tok,
+            topk_count,
             device=index,
         )
+        if plan.merge is not None:
+            jit.launch(
+                _build_kernel("ddtree_build_merge", code, plan.loads, index),
+                plan.merge,
+                part_keys,
+                part_stats,
+                _i32(plan.num_chunks),
+                _i32(plan.keep),
+                _i32(plan.top_k),
+                _i32(plan.sort_size),
+                _i32(vocab_size),
+                topk_lp,
+                topk_tok,
+                topk_count,
+                device=index,
+            )
         jit.launch(
-            _build_kernel("ddtree_build_select", *variant),
+            _build_kernel("ddtree_build_select", code, plan.loads, index),
             plan.select,
-            _ptr(topk_lp),
-            _ptr(topk_tok),
-            _ptr(topk_count),
+            topk_lp,
+            topk_tok,
+            topk_count,
             _ptr(root_tokens),
             _ptr(budgets),
             _ptr(flags),

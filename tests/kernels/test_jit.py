@@ -153,23 +153,27 @@ def test_build_tree_plan_covers_the_vocabulary(
     batch_size: int, draft_len: int, vocab_size: int, max_budget: int
 ) -> None:
     plan = tree_cuda.build_tree_plan(batch_size, draft_len, vocab_size, max_budget)
+    rows = batch_size * draft_len
     assert plan.top_k == min(max_budget, vocab_size)
-    assert plan.chunk_size == 256 * plan.elems_per_thread
-    assert plan.num_chunks * plan.chunk_size >= vocab_size > (plan.num_chunks - 1) * plan.chunk_size
-    assert plan.keep == min(plan.top_k, plan.chunk_size)
+    assert plan.span % plan.tile == 0 and plan.tile == 512 * plan.loads * 8
+    assert plan.num_chunks * plan.span >= vocab_size > (plan.num_chunks - 1) * plan.span
+    assert plan.keep == min(plan.top_k, plan.span)
+    # After a compaction to `keep` candidates a whole tile still fits in the buffer.
+    assert plan.cap >= plan.keep + plan.tile
     assert plan.sort_size >= plan.top_k and plan.sort_size & (plan.sort_size - 1) == 0
-    assert plan.partial.grid == (plan.num_chunks, batch_size * draft_len, 1)
-    assert plan.merge.grid == (batch_size * draft_len, 1, 1)
+    assert plan.topk.grid == (plan.num_chunks, rows, 1)
+    if plan.num_chunks == 1:
+        assert plan.merge is None
+    else:
+        assert plan.merge is not None and plan.merge.grid == (rows, 1, 1)
+        assert plan.merge.shared_mem_bytes == (plan.num_chunks * plan.keep + plan.sort_size) * 8
     assert plan.select.grid == (batch_size, 1, 1)
     assert plan.select.block[0] % 32 == 0 and plan.select.block[0] >= max_budget
-    assert plan.merge.shared_mem_bytes == (plan.num_chunks * plan.keep + plan.sort_size) * 8
-    # The nominated threshold needs K <= 256 * top_m (at equality every entry is a candidate).
-    assert plan.keep <= 256 * plan.top_m
 
 
 def test_build_tree_plan_rejects_what_does_not_fit() -> None:
-    with pytest.raises(ValueError, match="vocab_size"):
-        tree_cuda.build_tree_plan(1, 1, 4_000_000, 1024)
+    with pytest.raises(ValueError, match="shared memory"):
+        tree_cuda.build_tree_plan(1, 1, 4_000_000, 1024, max_smem_bytes=32 * 1024)
     with pytest.raises(ValueError, match="65535"):
         tree_cuda.build_tree_plan(4096, 32, 1000, 16)
 
