@@ -14,7 +14,9 @@ pytestmark = pytest.mark.skipif(
 # Variants the ops select with -D macros; every source must compile under each that it reads.
 # Each dtype and each register-tile size appears once per architecture.
 _VARIANTS = {
-    "build_tree.cu": [{"DDTREE_DTYPE": dtype} for dtype in (0, 1, 2)],
+    "build_tree.cu": [
+        {"DDTREE_DTYPE": dtype, "LOADS": loads} for dtype, loads in ((0, 2), (1, 1), (2, 2))
+    ],
     "accept.cu": [
         {"DDTREE_DTYPE": dtype, "ACCEPT_THREADS": threads}
         for dtype, threads in ((0, 256), (1, 1024), (2, 256))
