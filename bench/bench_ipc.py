@@ -82,8 +82,10 @@ def _start_server(unix_path: str, port: int) -> subprocess.Popen[str]:
     for line in process.stderr:
         if "event=serving" in line:
             break
-        if time.monotonic() > deadline or process.poll() is not None:
-            raise RuntimeError(f"server did not start: {line}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server did not start within 600 s: {line}")
+    else:
+        raise RuntimeError(f"server exited before serving (exit code {process.wait()})")
     # Keep draining the log so the server never blocks on a full pipe.
     threading.Thread(target=_drain, args=(process.stderr,), daemon=True).start()
     return process

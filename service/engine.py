@@ -388,7 +388,7 @@ class Engine:
 
             def attend(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return kernels.verify_attention(
-                    q, cache, table, lens, tree, v_dim=32, error_flags=flags, backend=backend
+                    q, cache, table, lens, tree, v_dim=64, error_flags=flags, backend=backend
                 )
 
             self._run_op("verify_attention", attend, observe=False)
