@@ -72,12 +72,13 @@ def require_cuda_python() -> ModuleType:
         cuda-python is not installed; the message names the ``cuda`` extra.
     """
     try:
-        from cuda.bindings import driver
+        from cuda.bindings import driver as module
     except ImportError as err:
         raise ImportError(
             "ddtree.clients.cuda needs cuda-python (cuda-bindings) to export GPU tensors by "
             f"CUDA IPC; install the extra: {_EXTRA}"
         ) from err
+    driver: ModuleType = module
     return driver
 
 

@@ -299,7 +299,10 @@ def _build_tree_op(
             return outputs
         return _wire.decode_tree(response.tree, draft_logits.device)
 
-    tensors = [("draft_logits", draft_logits), ("root_tokens", root_tokens)]
+    tensors: list[tuple[str, torch.Tensor | None]] = [
+        ("draft_logits", draft_logits),
+        ("root_tokens", root_tokens),
+    ]
     if outputs is not None:
         tensors += _tree_tensors("outputs", outputs)
     return _Op(

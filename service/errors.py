@@ -241,7 +241,7 @@ class MemoryLimitExceeded(ResourceExhausted):
     """Registering would pass the server's region-count or byte limit."""
 
     reason = "MEMORY_LIMIT_EXCEEDED"
-    default_retry_after_s = None
+    default_retry_after_s = 1.0  # regions free up as callers unregister or regions expire
 
 
 class OutOfMemory(ResourceExhausted, MemoryError):
