@@ -12,7 +12,7 @@ All three return ``ddtree.kernels.types.Tree`` / ``Acceptance`` and raise
 from ddtree.clients.embedded import EmbeddedClient
 from ddtree.clients.errors import DDTreeClientError
 from ddtree.clients.remote import AsyncClient, Client, RetryPolicy, TlsOptions
-from ddtree.clients.types import DeviceInfo, KvCommit, ServerInfo, ServerLimits
+from ddtree.clients.types import DeviceInfo, KvCommit, MemoryRegion, ServerInfo, ServerLimits
 
 __all__ = [
     "AsyncClient",
@@ -21,6 +21,7 @@ __all__ = [
     "DeviceInfo",
     "EmbeddedClient",
     "KvCommit",
+    "MemoryRegion",
     "RetryPolicy",
     "ServerInfo",
     "ServerLimits",
