@@ -18,11 +18,13 @@ from google.rpc import error_details_pb2, status_pb2
 from helpers.ipc import HostMapper
 from helpers.service_inputs import BUDGET, V_DIM, Step, make_step
 from helpers.serving import ServerThread
+from prometheus_client import CollectorRegistry
 
 from ddtree.clients import Client, KvCommit
 from ddtree.service.config import ServiceConfig
 from ddtree.service.convert import TORCH_TO_DTYPE
 from ddtree.service.engine import Engine
+from ddtree.service.metrics import Metrics
 from ddtree.v1 import tensor_pb2, tree_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
@@ -307,3 +309,24 @@ def test_list_and_unregister(stub: pb_grpc.TreeSpeculationServiceStub, mapper: H
     with pytest.raises(grpc.RpcError) as raised:
         stub.UnregisterMemory(pb.UnregisterMemoryRequest(region_token=first.token), timeout=10)
     assert reason_of(raised.value)[:2] == ("NOT_FOUND", "MEMORY_TOKEN_NOT_FOUND")
+
+
+def test_registered_memory_gauges_follow_the_table(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    mapper = HostMapper()
+    engine = Engine(device="cpu", backend="reference", ipc_mapper=mapper, observer=metrics)
+    try:
+        buffer = torch.zeros(4096, dtype=torch.uint8)
+        token, _ = engine.register_memory(mapper.export(buffer), "cpu", 4096, "g").result()
+
+        def gauge(name: str) -> float | None:
+            return registry.get_sample_value(name, {"device": "cpu"})
+
+        assert gauge("ddtree_registered_regions") == 1
+        assert gauge("ddtree_registered_bytes") == 4096
+        engine.unregister_memory(token)
+        assert gauge("ddtree_registered_regions") == 0
+        assert gauge("ddtree_registered_bytes") == 0
+    finally:
+        engine.close()
