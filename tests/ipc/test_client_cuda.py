@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import torch
 from helpers.service_inputs import BUDGET, make_step
 from helpers.serving import ServerThread
 
-from ddtree.clients import Client
+from ddtree.clients import AsyncClient, Client
 from ddtree.clients.cuda import (
     Allocation,
     ClientIpc,
@@ -132,3 +133,22 @@ def test_auto_transport_sends_inline_to_a_server_without_references(
         assert auto.list_memory() == []
     with Client(address, tensor_transport="ipc") as strict, pytest.raises(ExportError):
         strict.build_tree(step.draft_logits, step.root_tokens, BUDGET)
+
+
+def test_async_client_auto_transport_falls_back_inline(cpu_server: ServerThread) -> None:
+    step = make_step(seed=3)
+    address = cpu_server.addresses[0]
+
+    async def run() -> tuple[torch.Tensor, torch.Tensor, list[object]]:
+        async with AsyncClient(address, tensor_transport="auto") as auto:
+            tree = await auto.build_tree(step.draft_logits, step.root_tokens, BUDGET)
+            acceptance = await auto.accept_tree(tree, step.target_tokens)
+            return tree.tokens, acceptance.nodes, list(await auto.list_memory())
+
+    tokens, nodes, regions = asyncio.run(run())
+    with Client(address) as inline:
+        expected = inline.build_tree(step.draft_logits, step.root_tokens, BUDGET)
+        expected_acceptance = inline.accept_tree(expected, step.target_tokens)
+    assert torch.equal(tokens, expected.tokens)
+    assert torch.equal(nodes, expected_acceptance.nodes)
+    assert regions == []
