@@ -33,7 +33,7 @@ from ddtree.service.calls import CallLimits
 from ddtree.service.config import ServiceConfig, parse_listen
 from ddtree.service.convert import TensorResolver
 from ddtree.service.engine import Engine, EngineObserver
-from ddtree.service.errors import DDTreeError, Internal, Overloaded
+from ddtree.service.errors import DDTreeError, Internal, Overloaded, ShuttingDown
 from ddtree.service.memory import MemoryLimits
 from ddtree.service.metrics import Metrics, server_registry, start_metrics_http_server
 from ddtree.service.servicer import TreeSpeculationServicer
@@ -60,6 +60,8 @@ ERROR_DOMAIN = "ddtree.v1"
 """``google.rpc.ErrorInfo.domain`` of every ddtree error."""
 
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
+_FINAL_GRACE_S = 1.0
+"""After the service's calls drained: how long gRPC waits for other streams (health Watch)."""
 _EXIT_DEVICE_FAILED = 3
 
 
@@ -146,6 +148,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         self._observer = call_observer
         self._on_failure = on_failure
         self._in_flight = 0
+        self.draining = False
+        """Set when the server drains: new calls get UNAVAILABLE (``SHUTTING_DOWN``)."""
 
     @property
     def in_flight(self) -> int:
@@ -180,6 +184,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 self._observer.rpc_started(SERVICE_NAME, method)
             _log.debug("event=rpc_received method=%s request_id=%s", method, request_id)
             try:
+                if self.draining:
+                    raise ShuttingDown(
+                        "server is draining (shutting down); send the call to another replica"
+                    )
                 if self._in_flight >= self._max_concurrent_calls:
                     raise Overloaded(
                         f"server is at max_concurrent_calls={self._max_concurrent_calls}; "
@@ -257,12 +265,14 @@ class Server:
         grpc_server: grpc.aio.Server,
         health_servicer: health.aio.HealthServicer,
         addresses: list[str],
+        calls: ErrorMappingInterceptor | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
         self.grpc_server = grpc_server
         self.health = health_servicer
         self.addresses = addresses
+        self._calls = calls
         self.failed = asyncio.Event()
         """Set when the engine's device failed; ``serve`` then drains and exits non-zero."""
         self._stopped = False
@@ -314,6 +324,15 @@ class Server:
         grace = self.config.grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         _log.info("event=draining grace_s=%s", grace)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        if self._calls is not None:
+            # Refuse new service calls with UNAVAILABLE and let those in flight finish; then
+            # stop gRPC without waiting the whole grace for long-lived health Watch streams.
+            self._calls.draining = True
+            while self._calls.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            grace = min(_FINAL_GRACE_S, max(0.0, deadline - loop.time()))
         await self.grpc_server.stop(grace)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
         _log.info("event=stopped")
@@ -411,7 +430,7 @@ def create_server(
             addresses.append(f"{host}:{port}")
         else:
             addresses.append(address)
-    server = Server(config, engine, grpc_server, health_servicer, addresses)
+    server = Server(config, engine, grpc_server, health_servicer, addresses, error_interceptor)
     servers.append(server)
     return server, addresses
 
