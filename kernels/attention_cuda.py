@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.kernels import checks, jit
-from ddtree.kernels.types import ErrorFlag, Tree
+from ddtree.kernels.types import Tree
 
 __all__ = [
     "AttentionPlan",
@@ -49,14 +49,6 @@ _MAX_WORKSPACE_BYTES = 1 << 30
 # one tile, and the fp32 partials cost their write plus read at about this many bytes per tile
 # time (a 64 x 64 x 1088 tile takes about 6 us on an H200 SM; HBM moves about 3 TB/s).
 _COMBINE_BYTES_PER_TILE = 18_000_000
-
-_MESSAGES = {
-    ErrorFlag.TREE: "tree.num_nodes: outside [1, num_nodes_max]",
-    ErrorFlag.LENGTH: (
-        "prefix_lens: negative, or prefix plus tree positions beyond max_pages * page_size"
-    ),
-    ErrorFlag.BLOCK_TABLE: "block_table: entry outside [0, num_pages) for a touched position",
-}
 
 
 @dataclass(frozen=True)
@@ -487,5 +479,5 @@ def _run(
             device=index,
         )
     if error_flags is None:
-        checks.resolve_flags(flags, None, _MESSAGES)
+        checks.resolve_flags(flags, None, checks.FLAG_MESSAGES["verify_attention"])
     return out, lse

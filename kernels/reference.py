@@ -35,13 +35,6 @@ __all__ = [
 _NEG_INF = float("-inf")
 _UINT32 = 0xFFFFFFFF
 
-# Flat view of checks.FLAG_MESSAGES, still imported by tree_cuda; new code uses FLAG_MESSAGES.
-_MESSAGES = {
-    **checks.FLAG_MESSAGES["commit_kv"],
-    **checks.FLAG_MESSAGES["accept"],
-    **checks.FLAG_MESSAGES["build_tree"],
-}
-
 
 def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Turn logits into the fp32 scores every op ranks, soft-maxes and samples.

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from ddtree.kernels import checks, jit
-from ddtree.kernels.reference import _MESSAGES
-from ddtree.kernels.types import MAX_DRAFT_LEN, Acceptance, ErrorFlag, Tree, mask_words
+from ddtree.kernels.types import MAX_DRAFT_LEN, Acceptance, Tree, mask_words
 
 __all__ = [
     "BuildTreePlan",
@@ -255,7 +254,7 @@ def build_tree(
         checks.resolve_flags(
             checks.root_token_flags(root_tokens, vocab_size),
             None,
-            {ErrorFlag.TOKEN: _MESSAGES[ErrorFlag.TOKEN]},
+            checks.FLAG_MESSAGES["build_tree"],
         )
         flags = torch.zeros(batch_size, dtype=torch.int32, device=device)  # [batch]
     else:
@@ -397,10 +396,7 @@ def accept(
         checks.resolve_flags(
             found,
             None,
-            {
-                ErrorFlag.TREE: _MESSAGES[ErrorFlag.TREE],
-                ErrorFlag.TOKEN: "target_tokens: negative token id at a node of the tree",
-            },
+            checks.FLAG_MESSAGES["accept"],
         )
         flags = torch.zeros(batch_size, dtype=torch.int32, device=device)  # [batch]
     else:
@@ -485,10 +481,7 @@ def commit_kv(
         checks.resolve_flags(
             checks.commit_kv_flags(block_table, prefix_lens, acceptance, num_pages, page_size),
             None,
-            {
-                flag: _MESSAGES[flag]
-                for flag in (ErrorFlag.ACCEPTANCE, ErrorFlag.LENGTH, ErrorFlag.BLOCK_TABLE)
-            },
+            checks.FLAG_MESSAGES["commit_kv"],
         )
         flags = torch.zeros(batch_size, dtype=torch.int32, device=device)  # [batch]
     else:
