@@ -87,6 +87,11 @@ class EmbeddedClient:
 
         budget_s = timeout_s or self.default_timeout_s
         deadline_s = time.monotonic() + budget_s
+        if self._engine.device.type == "cuda":
+            # The engine reads the caller's tensors on its own stream: the caller's pending
+            # writes must land first. The call blocks on its result anyway, so a host wait on
+            # the caller's stream costs nothing extra.
+            torch.cuda.current_stream(self._engine.device).synchronize()
         try:
             future = submit(make_call(deadline_s))
             return future.result(timeout=budget_s)

@@ -68,3 +68,28 @@ def test_closed_client_refuses_calls(step: Step) -> None:
     with pytest.raises(UnavailableError) as raised:
         client.build_tree(step.draft_logits, step.root_tokens, BUDGET)
     assert raised.value.reason == "SHUTTING_DOWN"
+
+
+@pytest.mark.gpu
+def test_cuda_inputs_written_on_the_callers_stream_are_read_after_the_writes() -> None:
+    """The engine works on its own stream: it must see what the caller's stream wrote last."""
+    from ddtree.kernels import reference
+
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(7)
+    with EmbeddedClient(device="cuda:0") as client:
+        side = torch.cuda.Stream(device)
+        for _ in range(5):
+            with torch.cuda.stream(side):
+                logits = torch.full((8, 16, 32000), float("nan"), device=device)
+                # A slow write the engine would race without the stream ordering.
+                big = torch.randn(4096, 4096, device=device, generator=generator)
+                for _ in range(8):
+                    big = big @ big / 64.0
+                logits.copy_(torch.randn(8, 16, 32000, device=device, generator=generator))
+                roots = torch.zeros(8, dtype=torch.int64, device=device)
+                tree = client.build_tree(logits, roots, 64)
+            expected = reference.build_tree(logits, roots, 64)
+            assert torch.equal(tree.num_nodes, expected.num_nodes)
+            assert torch.equal(tree.tokens[:, :1], expected.tokens[:, :1])
+            assert torch.isfinite(tree.log_probs[:, 1:2]).all()
