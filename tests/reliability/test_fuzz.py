@@ -15,9 +15,11 @@ Cases per run: see ``EXAMPLES``; ``test_cases_total`` checks that they add up to
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +106,8 @@ FUZZ = settings(
 )
 
 cases_run: dict[str, int] = {}
+outcomes: Counter[str] = Counter()
+"""Answers seen, ``"<rpc> <CODE> <REASON>"`` -> count (written to ``DDTREE_FUZZ_REPORT``)."""
 
 
 def examples(name: str) -> int:
@@ -160,10 +164,12 @@ def check(method: Callable[..., Any], request: Any, expect: Expect, rpc: str) ->
             assert got.field in got.message, context
         if expect.field is not None:
             assert got.field == expect.field, context
+        outcomes[f"{rpc} {got.code} {got.reason}"] += 1
         return
     assert expect.code == "OK" or expect.ok_allowed, f"{rpc}: expected {expect}, got OK"
     if expect.response is not None:
         assert response.SerializeToString() == expect.response, f"{rpc}: response differs"
+    outcomes[f"{rpc} OK"] += 1
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -950,10 +956,11 @@ def test_memory_rpcs_fuzz(served: Served, inputs: Inputs) -> None:
             check(stub.UnregisterMemory, request, expect, "unregister_memory")
         elif kind == "list":
             assert not stub.ListMemory(request, timeout=CALL_TIMEOUT_S).regions
+            outcomes["list_memory OK"] += 1
         else:
-            assert (
-                stub.GetServerInfo(request, timeout=CALL_TIMEOUT_S).limits.max_budget == MAX_BUDGET
-            )
+            info = stub.GetServerInfo(request, timeout=CALL_TIMEOUT_S)
+            assert info.limits.max_budget == MAX_BUDGET
+            outcomes["get_server_info OK"] += 1
         _count("memory_rpcs")
 
     run()
@@ -1082,8 +1089,10 @@ def check_raw(channel: grpc.Channel, method: str, raw: bytes) -> str:
             assert f"not a valid ddtree.v1.{method}Request" in got.message, context
         else:
             assert got.reason and got.request_id, context
+        outcomes[f"raw_bytes {got.code} {got.reason}"] += 1
         return got.code
     assert _parses(_METHODS[method], raw), f"{method}: {raw[:40]!r} answered OK"
+    outcomes["raw_bytes OK"] += 1
     return "OK"
 
 
@@ -1154,3 +1163,9 @@ def test_cases_total() -> None:
     assert cases_run == expected
     if os.environ.get("DDTREE_FUZZ_SCALE", "1") == "1":
         assert sum(cases_run.values()) >= 10_000
+    report = os.environ.get("DDTREE_FUZZ_REPORT")
+    if report:
+        summary = {"cases": cases_run, "total": sum(cases_run.values())}
+        summary["outcomes"] = dict(sorted(outcomes.items()))
+        with open(report, "w") as handle:
+            json.dump(summary, handle, indent=2)
