@@ -369,20 +369,29 @@ class SpeculativeDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Commit every prompt but its last token; return prefix lengths, hidden, roots."""
         device = kv_cache.device
-        hiddens = []
+        hidden_rows: dict[int, torch.Tensor] = {}
+        by_length: dict[int, list[int]] = {}
         for b, prompt in enumerate(prompts):
-            tokens = torch.tensor([list(prompt[:-1])], dtype=torch.int64, device=device)
-            n = tokens.shape[1]
-            causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None]
+            by_length.setdefault(len(prompt), []).append(b)
+        # Prompts of one length go through the target together.
+        for length, requests in by_length.items():
+            n = length - 1
+            tokens = torch.tensor(
+                [list(prompts[b][:-1]) for b in requests], dtype=torch.int64, device=device
+            )  # [group, n]
+            group = len(requests)
+            causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
             _, hidden = self.target.forward_paged(
                 tokens,
-                torch.arange(n, device=device)[None],
-                causal,
+                torch.arange(n, device=device).expand(group, n),
+                causal.expand(group, n, n),
                 kv_cache,
-                block_table[b : b + 1],
-                torch.zeros(1, dtype=torch.int32, device=device),
+                block_table[torch.tensor(requests, device=device)],
+                torch.zeros(group, dtype=torch.int32, device=device),
             )
-            hiddens.append(hidden[0, -1])
+            for row, b in enumerate(requests):
+                hidden_rows[b] = hidden[row, -1]
+        hiddens = [hidden_rows[b] for b in range(len(prompts))]
         prefix_lens = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int32, device=device)
         roots = torch.tensor([p[-1] for p in prompts], dtype=torch.int64, device=device)
         return prefix_lens, torch.stack(hiddens), roots
