@@ -26,7 +26,7 @@ from helpers.serving import ServerThread
 
 from ddtree.clients import Client, RetryPolicy, TlsOptions
 from ddtree.clients.errors import ResourceExhaustedError, UnavailableError
-from ddtree.service.config import ServiceConfig
+from ddtree.service.config import ServiceConfig, config_from_args
 from ddtree.service.memory import TOKEN_BYTES, MemoryLimits, RegionTable
 
 NO_RETRY = RetryPolicy(max_attempts=1)
@@ -366,3 +366,25 @@ def test_region_tokens_are_192_random_bits_and_never_logged(
     text = "\n".join(record.getMessage() for record in caplog.records)
     leaked = [token for token in tokens if token in text]
     assert not leaked
+
+
+def test_access_settings_from_env_and_flags(tmp_path: Path) -> None:
+    env = {
+        "DDTREE_TLS_CERT": "/etc/ddtree/tls.crt",
+        "DDTREE_TLS_KEY": "/etc/ddtree/tls.key",
+        "DDTREE_TLS_CLIENT_CA": "/etc/ddtree/ca.crt",
+        "DDTREE_UNIX_SOCKET_MODE": "0600",
+        "DDTREE_MAX_CONCURRENT_CALLS_PER_CLIENT": "4",
+    }
+    config = config_from_args([], env)
+    assert config.tls_cert == Path("/etc/ddtree/tls.crt")
+    assert config.tls_key == Path("/etc/ddtree/tls.key")
+    assert config.tls_client_ca == Path("/etc/ddtree/ca.crt")
+    assert config.unix_socket_mode == 0o600
+    assert config.max_concurrent_calls_per_client == 4
+    flags = ["--unix-socket-mode", "660", "--max-concurrent-calls-per-client", "0"]
+    config = config_from_args(flags, env)
+    assert (config.unix_socket_mode, config.max_concurrent_calls_per_client) == (0o660, 0)
+    assert config_from_args([], {}).unix_socket_mode == 0o660
+    with pytest.raises(ValueError, match="DDTREE_UNIX_SOCKET_MODE"):
+        config_from_args([], {"DDTREE_UNIX_SOCKET_MODE": "rw-rw----"})
