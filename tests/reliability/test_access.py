@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from cryptography import x509
@@ -27,7 +28,11 @@ from helpers.serving import ServerThread
 from ddtree.clients import Client, RetryPolicy, TlsOptions
 from ddtree.clients.errors import ResourceExhaustedError, UnavailableError
 from ddtree.service.config import ServiceConfig, config_from_args
+from ddtree.service.engine import Engine
 from ddtree.service.memory import TOKEN_BYTES, MemoryLimits, RegionTable
+from ddtree.v1 import tensor_pb2
+from ddtree.v1 import tree_speculation_service_pb2 as pb
+from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 
 NO_RETRY = RetryPolicy(max_attempts=1)
 
@@ -388,3 +393,57 @@ def test_access_settings_from_env_and_flags(tmp_path: Path) -> None:
     assert config_from_args([], {}).unix_socket_mode == 0o660
     with pytest.raises(ValueError, match="DDTREE_UNIX_SOCKET_MODE"):
         config_from_args([], {"DDTREE_UNIX_SOCKET_MODE": "rw-rw----"})
+
+
+def test_region_tokens_never_reach_the_server_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the real server (registered memory over host buffers): register, use, misuse and
+    unregister a region at DEBUG; the token appears in no log line."""
+    uuid = "GPU-00000000-log-0000-0000-000000000000"
+    engine = Engine(device="cpu")
+    engine.memory = RegionTable(device=torch.device("cpu"), device_uuid=uuid, mapper=FakeMapper())
+    config = ServiceConfig(listen=(f"unix:{tmp_path / 'd.sock'}",), device="cpu")
+    with caplog.at_level(logging.DEBUG, logger="ddtree"), _serving(config, engine=engine) as thread:
+        channel = grpc.insecure_channel(thread.addresses[0])
+        stub = pb_grpc.TreeSpeculationServiceStub(channel)
+        handle = (4096).to_bytes(8, "little") + bytes(56)
+        token = stub.RegisterMemory(
+            pb.RegisterMemoryRequest(
+                ipc_handle=handle, device_uuid=uuid, byte_size=4096, client_id="logs"
+            ),
+            timeout=10,
+        ).region_token
+        roots = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[1], inline=bytes(8))
+
+        def build(offset: int, region_token: str) -> pb.BuildTreeRequest:
+            logits = tensor_pb2.Tensor(
+                dtype=tensor_pb2.DTYPE_FLOAT32,
+                shape=[1, 2, 8],
+                ref=tensor_pb2.TensorRef(region_token=region_token, offset_bytes=offset),
+            )
+            return pb.BuildTreeRequest(draft_logits=logits, root_tokens=roots, budget=3)
+
+        assert stub.BuildTree(build(0, token), timeout=10).tree.draft_len == 2
+        altered = token[:-1] + ("A" if token[-1] != "A" else "B")
+        for request, code in (
+            (build(2, token), grpc.StatusCode.INVALID_ARGUMENT),  # misaligned
+            (build(4096, token), grpc.StatusCode.INVALID_ARGUMENT),  # past the end
+            (build(0, altered), grpc.StatusCode.NOT_FOUND),
+        ):
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.BuildTree(request, timeout=10)
+            assert raised.value.code() == code
+            assert token not in (raised.value.details() or "")
+        listed = stub.ListMemory(pb.ListMemoryRequest(client_id="logs"), timeout=10)
+        assert len(listed.regions) == 1 and token.encode() not in listed.SerializeToString()
+        stub.UnregisterMemory(pb.UnregisterMemoryRequest(region_token=token), timeout=10)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.UnregisterMemory(pb.UnregisterMemoryRequest(region_token=token), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+        channel.close()
+    text = "\n".join(record.getMessage() for record in caplog.records)
+    for event in ("event=memory_registered", "event=rpc_error", "event=rpc_received"):
+        assert event in text
+    assert token not in text
+    assert token[:12] not in text and altered not in text
