@@ -288,6 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(args.warm_up_s)
         start = sample_process(process.pid) if process is not None else None
         gpu_start = gpu_memory_used_bytes(process.pid) if process is not None else None
+        load_start = os.getloadavg()[0]
         counting.set()
         began = time.perf_counter()
         peak_rss = start.rss_bytes if start is not None else 0
@@ -297,6 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 peak_rss = max(peak_rss, sample_process(process.pid).rss_bytes)
         counting.clear()
         elapsed = time.perf_counter() - began
+        load_end = os.getloadavg()[0]
         end = sample_process(process.pid) if process is not None else None
         gpu_end = gpu_memory_used_bytes(process.pid) if process is not None else None
         stop.set()
@@ -319,6 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "duration_s": args.duration_s,
             "warm_up_s": args.warm_up_s,
             "transport": "loopback TCP",
+            "machine_load_average_1m": [round(load_start, 2), round(load_end, 2)],
             "tensors": "inline and by reference" if by_reference else "inline",
             "server_backend": info.devices[0].backend if info.devices else None,
             "shapes": {
