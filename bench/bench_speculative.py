@@ -25,6 +25,7 @@ import torch
 from ddtree.clients.speculative import KernelOps, SpeculativeDecoder, budget_ladder
 from ddtree.clients.toy import load_pair
 from ddtree.clients.toy.data import held_out_prompts
+from ddtree.kernels.backend import resolve_backend
 
 
 def _hardware(device: torch.device) -> str:
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": _hardware(device),
         "device": str(device),
         "backend": args.backend,
+        "resolved_backend": resolve_backend(args.backend, device),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "command": "python bench/bench_speculative.py " + " ".join(argv or sys.argv[1:]),
@@ -109,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         methods = [("autoregressive", 0), ("chain", 0)] + [
             ("ddtree", int(b)) for b in args.speed_budgets.split(",")
         ]
+        batch_greedy: list[list[int]] | None = None
         for method, budget in methods:
             result = decoder.generate(batch, args.speed_tokens, method=method, budget=budget)
+            if batch_greedy is None:
+                batch_greedy = result.tokens
             speed.append(
                 {
                     "batch_size": batch_size,
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_second": result.stats.tokens_per_second,
                     "mean_acceptance_length": result.stats.mean_acceptance_length,
                     "seconds": result.stats.seconds,
+                    "lossless": result.tokens == batch_greedy,
                 }
             )
     record["speed"] = {"new_tokens_per_request": args.speed_tokens, "runs": speed}

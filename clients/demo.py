@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -109,7 +110,9 @@ def _local_server(device: str) -> Iterator[tuple[Client, str, str]]:
             sys.executable, "-m", "ddtree.service", "serve", "--listen", address,
             "--device", device, "--metrics-port", str(metrics_port), "--log-level", "WARNING",
         ]  # fmt: skip
-        process = subprocess.Popen(command)
+        # One intra-op thread: on a small CPU two processes of spinning OpenMP pools starve
+        # each other, and the server's ops here are tiny.
+        process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
         try:
             with Client(address) as client:
                 _wait_serving(client, process, timeout_s=60.0)
