@@ -149,8 +149,11 @@ def test_sigterm_under_load_drains_and_exits_0(tmp_path: Path, step: Step) -> No
         assert text.index("event=draining") < text.index("event=stopped")
 
 
-def test_sigkill_and_restart_clients_carry_on(step: Step) -> None:
-    address = f"127.0.0.1:{_free_port()}"
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_sigkill_and_restart_clients_carry_on(step: Step, tmp_path: Path, transport: str) -> None:
+    # On a Unix socket the killed process leaves its socket file behind; the new one replaces it.
+    tcp = f"127.0.0.1:{_free_port()}"
+    address = tcp if transport == "tcp" else f"unix:{tmp_path / 'd.sock'}"
     flags = ("--listen", address, "--device", "cpu")
     with Client(address, retry=NO_RETRY) as impatient, Client(address) as patient:
         with serve_process(*flags) as (process, log):
