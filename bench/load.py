@@ -5,7 +5,8 @@ inputs for ``--duration-s`` seconds (after ``--warm-up-s`` seconds that are not 
 tensors inline; on a GPU server with registered memory, every other client sends them by
 reference (``tensor_transport="ipc"``). The driver reports calls per second, latency percentiles
 per method, the error count (must be 0), and the server process's resident memory, threads and
-file descriptors at the start and end of the measured window (and GPU memory on a GPU).
+file descriptors at the start and end of the measured window (and GPU memory on a GPU), and the
+regions the clients have registered (by reference only) at both ends.
 
 Usage::
 
@@ -105,10 +106,10 @@ class Tally:
 
 
 def make_inputs(seed: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """One client's step inputs (small, so the CPU reference keeps up)."""
+    """One client's step inputs on ``device`` (small, so the CPU reference keeps up)."""
     generator = torch.Generator().manual_seed(seed)
     num_pages = BATCH_SIZE * MAX_PAGES
-    return {
+    inputs = {
         "draft_logits": torch.randn(BATCH_SIZE, DRAFT_LEN, VOCAB_SIZE, generator=generator),
         "root_tokens": torch.randint(0, VOCAB_SIZE, (BATCH_SIZE,), generator=generator),
         "kv_cache": torch.randn(num_pages, PAGE_SIZE, HEAD_DIM, generator=generator).to(
@@ -122,6 +123,7 @@ def make_inputs(seed: int, device: torch.device) -> dict[str, torch.Tensor]:
             torch.bfloat16
         ),
     }
+    return {name: tensor.to(device) for name, tensor in inputs.items()}
 
 
 def client_loop(
@@ -266,19 +268,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with Client(address) as probe:
             info = probe.server_info()
         by_reference = info.supports_memory_references and torch.cuda.is_available()
-        device = torch.device("cuda") if by_reference else torch.device("cpu")
-        clients = []
+        clients, devices = [], []
         for index in range(args.clients):
+            # By reference, every other client keeps its tensors on the GPU and sends references.
             ipc = by_reference and index % 2 == 1
             clients.append(
                 Client(address, tensor_transport="ipc" if ipc else "inline", retry=NO_RETRY)
             )
+            devices.append(torch.device("cuda") if ipc else torch.device("cpu"))
         tally = Tally()
         counting, stop = threading.Event(), threading.Event()
         threads = [
             threading.Thread(
                 target=client_loop,
-                args=(client, make_inputs(index, device), tally, counting, stop),
+                args=(client, make_inputs(index, devices[index]), tally, counting, stop),
                 name=f"load-client-{index}",
             )
             for index, client in enumerate(clients)
@@ -289,6 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         start = sample_process(process.pid) if process is not None else None
         gpu_start = gpu_memory_used_bytes(process.pid) if process is not None else None
         load_start = os.getloadavg()[0]
+        regions_start = sum(len(client.list_memory()) for client in clients)
         counting.set()
         began = time.perf_counter()
         peak_rss = start.rss_bytes if start is not None else 0
@@ -299,6 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counting.clear()
         elapsed = time.perf_counter() - began
         load_end = os.getloadavg()[0]
+        regions_end = sum(len(client.list_memory()) for client in clients)
         end = sample_process(process.pid) if process is not None else None
         gpu_end = gpu_memory_used_bytes(process.pid) if process is not None else None
         stop.set()
@@ -340,6 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "calls_per_s": round(sum(calls.values()) / elapsed, 1),
         "latency": {"all": percentiles_ms(everything)}
         | {m: {"calls": calls[m], **percentiles_ms(v)} for m, v in tally.latencies.items()},
+        "registered_regions": [regions_start, regions_end],
         "errors": len(tally.errors),
         "first_errors": tally.errors[:10],
     }

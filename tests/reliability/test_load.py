@@ -31,6 +31,8 @@ def test_short_load_holds_without_errors(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["errors"] == 0, report["first_errors"]
     assert report["calls"] > 0
+    start, end = report["registered_regions"]
+    assert end == start  # inline here: both 0; by reference the clients keep their regions
     for method in ("BuildTree", "AcceptTree", "VerifyAttention"):
         latency = report["latency"][method]
         assert latency["calls"] > 0
