@@ -126,20 +126,25 @@ def _local_server(device: str) -> Iterator[tuple[Client, str, str]]:
             process.wait(timeout=30)
 
 
+def _service_device(device: str) -> str:
+    """The service's spelling (``cpu`` or ``cuda:N``) of a torch device string."""
+    parsed = torch.device(device)
+    return "cpu" if parsed.type == "cpu" else f"cuda:{parsed.index or 0}"
+
+
 @contextlib.contextmanager
 def _open_ops(args: argparse.Namespace) -> Iterator[tuple[TreeOps, str, str | None]]:
     """The tree ops the loop calls, where they run, and the metrics URL if there is one."""
     if args.direct:
         yield KernelOps(), "the ddtree.kernels ops in this process (no service)", None
     elif args.embedded:
-        with EmbeddedClient(device=args.device) as embedded:
+        with EmbeddedClient(device=_service_device(args.device)) as embedded:
             yield embedded, "an embedded ddtree engine (in this process, no gRPC)", None
     elif args.server:
         with Client(args.server) as client:
             yield client, f"the ddtree server at {args.server}", args.metrics_url
     else:
-        server_device = "cpu" if torch.device(args.device).type == "cpu" else args.device
-        with _local_server(server_device) as served:
+        with _local_server(_service_device(args.device)) as served:
             yield served
 
 
