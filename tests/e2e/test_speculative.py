@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +155,13 @@ def test_sampled_first_tokens_follow_the_target(models, prompts):
     dof = len(expected) - 1
     assert dof >= 5, "too few cells for a meaningful test"
     assert statistic < _chi2_critical(dof, 3.0902), (statistic, dof, _chi2_critical(dof, 3.0902))
+
+
+def test_docs_demo_example_runs():
+    """The Python example of docs/demo.md runs as written."""
+    text = (Path(__file__).parents[2] / "docs" / "demo.md").read_text()
+    example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, object] = {}
+    exec(compile(example, "docs/demo.md", "exec"), namespace)
+    stats = namespace["result"].stats  # type: ignore[attr-defined]
+    assert stats.mean_acceptance_length > 1.0
