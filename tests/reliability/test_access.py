@@ -22,6 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from helpers.ipc import HostMapper
 from helpers.service_inputs import BUDGET, Step, make_step
 from helpers.serving import ServerThread
 
@@ -309,47 +310,17 @@ def test_per_client_limit_on_plain_transports(
             assert torch.equal(_build(other, step), step.tree.tokens)
 
 
-class FakeMapper:
-    """IPC mapper over host memory: a handle's first 8 bytes give the allocation's size."""
-
-    def __init__(self) -> None:
-        self.memory: dict[int, torch.Tensor] = {}
-
-    def open_memory(self, handle: bytes) -> tuple[int, int]:
-        size = int.from_bytes(handle[:8], "little")
-        data = torch.zeros(size, dtype=torch.uint8)
-        self.memory[data.data_ptr()] = data
-        return data.data_ptr(), size
-
-    def close_memory(self, pointer: int) -> None:
-        del self.memory[pointer]
-
-    def open_event(self, handle: bytes) -> object:
-        return handle
-
-    def wait_event(self, event: object, stream: int) -> None:
-        return None
-
-    def close_event(self, event: object) -> None:
-        return None
-
-    def as_bytes(self, pointer: int, byte_size: int, device: torch.device) -> torch.Tensor:
-        return self.memory[pointer][:byte_size]
-
-    def release(self) -> None:
-        return None
-
-
 def test_region_tokens_are_192_random_bits_and_never_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    mapper = HostMapper()
     table = RegionTable(
         device=torch.device("cpu"),
         device_uuid="GPU-test",
-        mapper=FakeMapper(),
+        mapper=mapper,
         limits=MemoryLimits(max_regions=512, max_bytes=1 << 30),
     )
-    handle = (4096).to_bytes(8, "little") + bytes(56)
+    handle = mapper.export(torch.zeros(4096, dtype=torch.uint8))
     tokens = []
     with caplog.at_level(logging.DEBUG, logger="ddtree"):
         for _ in range(256):
@@ -402,12 +373,13 @@ def test_region_tokens_never_reach_the_server_log(
     unregister a region at DEBUG; the token appears in no log line."""
     uuid = "GPU-00000000-log-0000-0000-000000000000"
     engine = Engine(device="cpu")
-    engine.memory = RegionTable(device=torch.device("cpu"), device_uuid=uuid, mapper=FakeMapper())
+    mapper = HostMapper()
+    engine.memory = RegionTable(device=torch.device("cpu"), device_uuid=uuid, mapper=mapper)
     config = ServiceConfig(listen=(f"unix:{tmp_path / 'd.sock'}",), device="cpu")
     with caplog.at_level(logging.DEBUG, logger="ddtree"), _serving(config, engine=engine) as thread:
         channel = grpc.insecure_channel(thread.addresses[0])
         stub = pb_grpc.TreeSpeculationServiceStub(channel)
-        handle = (4096).to_bytes(8, "little") + bytes(56)
+        handle = mapper.export(torch.zeros(4096, dtype=torch.uint8))
         token = stub.RegisterMemory(
             pb.RegisterMemoryRequest(
                 ipc_handle=handle, device_uuid=uuid, byte_size=4096, client_id="logs"

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from helpers.ipc import HostMapper
 from helpers.serving import ServerThread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -504,37 +505,6 @@ def apply_value_change(request: Any, change: tuple[Slot, list[tuple[int, Any]]])
 # ---------------------------------------------------------------------------- servers
 
 
-class FakeMapper:
-    """IPC mapper over host memory: a handle's first 8 bytes give the allocation's size."""
-
-    def __init__(self) -> None:
-        self.memory: dict[int, torch.Tensor] = {}
-
-    def open_memory(self, handle: bytes) -> tuple[int, int]:
-        size = int.from_bytes(handle[:8], "little")
-        data = torch.zeros(size, dtype=torch.uint8)
-        self.memory[data.data_ptr()] = data
-        return data.data_ptr(), size
-
-    def close_memory(self, pointer: int) -> None:
-        del self.memory[pointer]
-
-    def open_event(self, handle: bytes) -> object:
-        return handle
-
-    def wait_event(self, event: object, stream: int) -> None:
-        return None
-
-    def close_event(self, event: object) -> None:
-        return None
-
-    def as_bytes(self, pointer: int, byte_size: int, device: torch.device) -> torch.Tensor:
-        return self.memory[pointer][:byte_size]
-
-    def release(self) -> None:
-        return None
-
-
 FAKE_UUID = "GPU-00000000-fuzz-0000-0000-000000000000"
 
 
@@ -581,14 +551,19 @@ def served() -> Iterator[Served]:
 
 
 @pytest.fixture(scope="module")
-def served_refs() -> Iterator[Served]:
-    """A CPU server whose engine has registered memory over host buffers (``FakeMapper``), so
-    the reference path (tokens, bounds, offsets, destinations) runs without a GPU."""
+def host_mapper() -> HostMapper:
+    return HostMapper()
+
+
+@pytest.fixture(scope="module")
+def served_refs(host_mapper: HostMapper) -> Iterator[Served]:
+    """A CPU server whose engine has registered memory over host buffers (``HostMapper``), so
+    the reference path (tokens, bounds, offsets) runs without a GPU."""
     engine = Engine(device="cpu")
     engine.memory = RegionTable(
         device=torch.device("cpu"),
         device_uuid=FAKE_UUID,
-        mapper=FakeMapper(),
+        mapper=host_mapper,
         limits=MemoryLimits(max_regions=64, max_bytes=1 << 24),
     )
     yield from _serve(engine)
@@ -979,8 +954,8 @@ class Region:
 
 
 @pytest.fixture(scope="module")
-def region(served_refs: Served) -> Region:
-    handle = REGION_BYTES.to_bytes(8, "little") + bytes(range(56))
+def region(served_refs: Served, host_mapper: HostMapper) -> Region:
+    handle = host_mapper.export(torch.zeros(REGION_BYTES, dtype=torch.uint8))
     response = served_refs.stub.RegisterMemory(
         pb.RegisterMemoryRequest(
             ipc_handle=handle, device_uuid=FAKE_UUID, byte_size=REGION_BYTES, client_id="fuzz"
