@@ -166,10 +166,6 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         self._max_calls_per_client = max_calls_per_client
         self._in_flight: dict[str, int] = {}
 
-    def in_flight(self, identity: str) -> int:
-        """Calls of ``identity`` being handled now."""
-        return self._in_flight.get(identity, 0)
-
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
