@@ -22,7 +22,7 @@ as the target's own samples.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -35,14 +35,64 @@ from ddtree.kernels.types import Acceptance, Tree
 __all__ = [
     "DecodeResult",
     "DecodeStats",
+    "DrafterModel",
     "KernelOps",
     "Method",
     "SpeculativeDecoder",
+    "TargetModel",
     "TreeOps",
     "budget_ladder",
 ]
 
 Method = Literal["autoregressive", "chain", "ddtree"]
+
+
+class _TargetConfig(Protocol):
+    @property
+    def kv_dim(self) -> int: ...
+
+
+class TargetModel(Protocol):
+    """What the loop needs of a target LM (``ddtree.clients.toy.ToyTarget`` fits)."""
+
+    @property
+    def config(self) -> _TargetConfig:
+        """Model shape; ``kv_dim`` is the width of one paged KV-cache row."""
+        ...
+
+    def forward_paged(
+        self,
+        tokens: torch.Tensor,
+        depths: torch.Tensor,
+        attend: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        prefix_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and hidden states of new tokens against the paged cache (writes their K/V)."""
+        ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The model's parameters (for its device and dtype)."""
+        ...
+
+
+class _DrafterConfig(Protocol):
+    @property
+    def draft_len(self) -> int: ...
+
+
+class DrafterModel(Protocol):
+    """What the loop needs of a parallel drafter (``ddtree.clients.toy.ToyDrafter`` fits)."""
+
+    @property
+    def config(self) -> _DrafterConfig:
+        """Model shape; ``draft_len`` positions are drafted per pass."""
+        ...
+
+    def __call__(self, hidden: torch.Tensor, root_tokens: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[batch_size, draft_len, vocab_size]``."""
+        ...
 
 
 class TreeOps(Protocol):
@@ -217,10 +267,10 @@ class SpeculativeDecoder:
 
     Parameters
     ----------
-    target : torch.nn.Module
+    target : TargetModel
         Must offer ``forward_paged(tokens, depths, attend, kv_cache, block_table, prefix_lens)
         -> (logits, hidden)`` and ``config.kv_dim`` (see ``ddtree.clients.toy.model.ToyTarget``).
-    drafter : torch.nn.Module
+    drafter : DrafterModel
         ``drafter(hidden, root_tokens) -> draft_logits`` ``[batch_size, draft_len, vocab_size]``
         and ``config.draft_len``.
     ops : TreeOps
@@ -231,8 +281,8 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: torch.nn.Module,
-        drafter: torch.nn.Module,
+        target: TargetModel,
+        drafter: DrafterModel,
         ops: TreeOps,
         *,
         page_size: int = 16,

@@ -17,6 +17,7 @@ marginal per position, which is what DDTree's ``build_tree`` expects.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -108,6 +109,11 @@ class _Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
+def _blocks(blocks: nn.ModuleList) -> list[_Block]:
+    """The blocks with their type (``ModuleList`` iterates as plain ``Module``)."""
+    return [cast(_Block, block) for block in blocks]
+
+
 def paged_rows(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Rows of the flattened cache ``kv_cache.view(-1, kv_dim)`` holding logical ``positions``.
 
@@ -166,7 +172,7 @@ class ToyTarget(nn.Module):
         batch, seq = tokens.shape
         positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
         x = self.embed(tokens)
-        for block in self.blocks:
+        for block in _blocks(self.blocks):
             q, k, v = block.split(x)
             q = _rope(q, positions, self.config.rope_base)
             k = _rope(k, positions, self.config.rope_base)
@@ -239,7 +245,7 @@ class ToyTarget(nn.Module):
         x = self.embed(tokens)
         d = config.d_model
         heads = config.num_heads
-        for layer, block in enumerate(self.blocks):
+        for layer, block in enumerate(_blocks(self.blocks)):
             q, k, v = block.split(x)
             q = _rope(q, rope_positions, config.rope_base)
             k = _rope(k, rope_positions, config.rope_base)
@@ -293,7 +299,7 @@ class ToyDrafter(nn.Module):
         """
         ctx = self.context(torch.cat([hidden, self.embed(root_tokens)], dim=-1))  # [batch, d]
         x = torch.cat([ctx[:, None], ctx[:, None] + self.slots], dim=1)  # [batch, 1 + L, d]
-        for block in self.blocks:
+        for block in _blocks(self.blocks):
             q, k, v = block.split(x)
             x = block.finish(x, F.scaled_dot_product_attention(q, k, v))
         return self.head(self.norm(x[:, 1:]))
