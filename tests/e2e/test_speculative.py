@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.serving import ServerThread
 
-from ddtree.clients import Client, EmbeddedClient
+from ddtree.clients import Client, EmbeddedClient, demo
 from ddtree.clients.speculative import KernelOps, SpeculativeDecoder, TreeOps
 from ddtree.clients.toy import load_pair
 from ddtree.clients.toy.data import held_out_prompts
@@ -165,3 +165,15 @@ def test_docs_demo_example_runs():
     exec(compile(example, "docs/demo.md", "exec"), namespace)
     stats = namespace["result"].stats  # type: ignore[attr-defined]
     assert stats.mean_acceptance_length > 1.0
+
+
+@pytest.mark.parametrize("where", [["--direct"], []], ids=["direct", "local-server"])
+def test_demo_reports_lossless(where, capsys):
+    """``ddtree demo`` (in process, and with the ``ddtree serve`` it starts) exits 0, lossless."""
+    status = demo.main([*where, "--max-new-tokens", "16", "--prompts", "2", "--budgets", "8"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "lossless: every speculative greedy output is identical" in printed
+    assert printed.count("identical\n") == 3  # autoregressive, chain, ddtree 8
+    if not where:
+        assert "ddtree_accepted_tokens_total" in printed
