@@ -164,6 +164,7 @@ class AttentionPlan:
 def _choose_splits(ctas: int, key_tiles: int, partial_bytes_per_split: int, num_sms: int) -> int:
     """Split count minimising waves x tiles per split + the combine's cost (see the constants)."""
     best, best_cost = 1, math.inf
+    cost: float
     by_memory = max(1, _MAX_WORKSPACE_BYTES // partial_bytes_per_split)
     limit = min(_MAX_SPLITS, max(1, key_tiles), by_memory)
     for splits in range(1, limit + 1):

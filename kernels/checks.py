@@ -430,7 +430,7 @@ def check_accept_args(
             dtypes=FLOAT_DTYPES,
             device=device,
         )
-        if target_logits.shape[2] < 1:
+        if target_logits is not None and target_logits.shape[2] < 1:
             raise ValueError("target_logits: expected vocab_size >= 1, got 0")
     temperature = _check_float(temperature, "temperature", allow_zero=True)
     if temperature > 0 and target_logits is None:

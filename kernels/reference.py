@@ -389,8 +389,9 @@ def accept(
     skip = checks.resolve_flags(flags, error_flags, checks.FLAG_MESSAGES["accept"])  # [batch]
     seed = None
     if temperature > 0:
-        draw = {"generator": generator} if generator is not None else {}
-        seed = torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64, **draw)  # [1]
+        seed = torch.randint(
+            0, 2**62, (1,), generator=generator, device=device, dtype=torch.int64
+        )  # [1]
 
     requests = torch.arange(batch_size, device=device)  # [batch]
     node_ids = torch.arange(num_nodes_max, device=device)  # [nodes]
@@ -410,6 +411,7 @@ def accept(
         if target_tokens is not None:
             chosen = target_tokens.gather(1, current[:, None]).squeeze(1)  # [batch]
         else:
+            assert target_logits is not None  # checked: exactly one target is given
             rows = target_logits[requests, current]  # [batch, vocab]
             if seed is None:
                 chosen = scaled_logits(rows, 1.0).argmax(dim=1)  # [batch]

@@ -280,11 +280,7 @@ class Engine:
             devices=(_device_info(self.device, self.backend),),
             limits=self.limits,
         )
-        self._stream = (
-            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            if self.device.type == "cuda"
-            else None
-        )
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # One worker per device: ops on a device are serialised on its stream anyway, and the
         # worker is where blocking device waits belong.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ddtree-{self.device}")

@@ -28,7 +28,7 @@ __all__ = ["DrafterConfig", "TargetConfig", "ToyDrafter", "ToyTarget", "load_pai
 def _load_state(name: str, weights_dir: Path | None) -> dict[str, object]:
     if weights_dir is not None:
         return dict(torch.load(weights_dir / f"{name}.pt", map_location="cpu", weights_only=True))
-    path = resources.files("ddtree.clients.toy").joinpath("weights", f"{name}.pt")
+    path = resources.files("ddtree.clients.toy").joinpath("weights").joinpath(f"{name}.pt")
     with resources.as_file(path) as file:
         return dict(torch.load(file, map_location="cpu", weights_only=True))
 

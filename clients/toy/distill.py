@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     def anchors_for(count: int, gen: torch.Generator) -> torch.Tensor:
         span = last_anchor - (args.prompt_len - 1) + 1
         picks = [torch.randperm(span, generator=gen)[: args.anchors] for _ in range(count)]
-        return torch.stack(picks) + args.prompt_len - 1  # [count, anchors]
+        return torch.stack(picks) + int(args.prompt_len) - 1  # [count, anchors]
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.01)
     started = time.perf_counter()

@@ -106,7 +106,8 @@ class _Block(nn.Module):
         """Add the attention output (``[batch, heads, seq, head_dim]``) and the MLP to ``x``."""
         batch, _, seq, _ = attn.shape
         x = x + self.out(attn.transpose(1, 2).reshape(batch, seq, -1))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+        mlp: torch.Tensor = self.down(F.gelu(self.up(self.norm2(x))))
+        return x + mlp
 
 
 def _blocks(blocks: nn.ModuleList) -> list[_Block]:
@@ -302,7 +303,8 @@ class ToyDrafter(nn.Module):
         for block in _blocks(self.blocks):
             q, k, v = block.split(x)
             x = block.finish(x, F.scaled_dot_product_attention(q, k, v))
-        return self.head(self.norm(x[:, 1:]))
+        logits: torch.Tensor = self.head(self.norm(x[:, 1:]))
+        return logits
 
 
 def count_parameters(module: nn.Module) -> int:
