@@ -51,6 +51,7 @@ EXAMPLES = {
     "memory_rpcs": 800,
     "references": 1200,
     "raw_bytes": 1000,
+    "output_references": 300,
 }
 """Hypothesis examples per test (each is one RPC, plus a reference-op run for value changes)."""
 
@@ -1023,6 +1024,100 @@ def test_references_fuzz(served_refs: Served, region: Region, inputs: Inputs) ->
     assert region.token.encode() not in listed.SerializeToString()
     golden = stub.BuildTree(inputs.build, timeout=CALL_TIMEOUT_S).SerializeToString()
     assert golden == inputs.golden["build"]
+
+
+OUT_REGION_BYTES = 2048
+_TREE_OUTPUTS = (
+    ("tokens", torch.int64, (B, 1 + BUDGET)),
+    ("parents", torch.int32, (B, 1 + BUDGET)),
+    ("depths", torch.int32, (B, 1 + BUDGET)),
+    ("log_probs", torch.float32, (B, 1 + BUDGET)),
+    ("num_nodes", torch.int32, (B,)),
+    ("mask", torch.int64, (B, 1 + BUDGET, 1)),
+)
+_TREE_OUTPUT_BYTES = sum(
+    math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    for _, dtype, shape in _TREE_OUTPUTS
+)
+
+
+@pytest.fixture(scope="module")
+def out_region(served_refs: Served, host_mapper: HostMapper) -> tuple[str, torch.Tensor]:
+    """A second region (the caller's output buffer) and the host bytes behind it."""
+    buffer = torch.zeros(OUT_REGION_BYTES, dtype=torch.uint8)
+    response = served_refs.stub.RegisterMemory(
+        pb.RegisterMemoryRequest(
+            ipc_handle=host_mapper.export(buffer),
+            device_uuid=FAKE_UUID,
+            byte_size=OUT_REGION_BYTES,
+            client_id="fuzz-out",
+        ),
+        timeout=CALL_TIMEOUT_S,
+    )
+    return response.region_token, buffer
+
+
+def test_output_references_written_only_on_success(
+    served_refs: Served, out_region: tuple[str, torch.Tensor], inputs: Inputs
+) -> None:
+    """BuildTree into caller memory: a failed call leaves every byte of the caller's buffer as it
+    was; a successful one writes exactly the tree's bytes at the named offsets."""
+    token, buffer = out_region
+    stub = served_refs.stub
+
+    @settings(FUZZ, max_examples=examples("output_references"))
+    @given(
+        st.sampled_from(["good", "nan_logits", "bad_token", "bad_budget", "bad_temperature"]),
+        st.integers(0, (OUT_REGION_BYTES - _TREE_OUTPUT_BYTES) // 8).map(lambda k: 8 * k),
+        st.binary(min_size=OUT_REGION_BYTES, max_size=OUT_REGION_BYTES),
+    )
+    def run(kind: str, base: int, before: bytes) -> None:
+        buffer.copy_(torch.frombuffer(bytearray(before), dtype=torch.uint8))
+        request = pb.BuildTreeRequest()
+        request.CopyFrom(inputs.build)
+        places = {}
+        offset = base
+        for name, dtype, shape in _TREE_OUTPUTS:
+            ref = getattr(request.outputs, name)
+            ref.region_token, ref.offset_bytes = token, offset
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            places[name] = (offset, size)
+            offset += size
+        if kind == "nan_logits":
+            logits = decode(request.draft_logits).clone()
+            logits[0, 0, :5] = math.nan
+            request.draft_logits.CopyFrom(encode(logits))
+        elif kind == "bad_token":
+            request.root_tokens.CopyFrom(encode(torch.tensor([V + 5, 0])))
+        elif kind == "bad_budget":
+            request.budget = 0
+        elif kind == "bad_temperature":
+            request.temperature = math.nan
+        oracle = oracle_build(_without_outputs(request))
+        if kind.startswith("bad"):
+            assert oracle.code == "INVALID_ARGUMENT"
+            check(stub.BuildTree, request, oracle, "build_tree")
+            assert bytes(buffer.numpy()) == before  # not one byte written
+        else:
+            response = stub.BuildTree(request, timeout=CALL_TIMEOUT_S)
+            assert response.tree.tokens.ref.region_token == token
+            expected = pb.BuildTreeResponse.FromString(oracle.response or b"").tree
+            after = bytearray(buffer.numpy())
+            for name, (start, size) in places.items():
+                assert bytes(after[start : start + size]) == getattr(expected, name).inline, name
+                after[start : start + size] = before[start : start + size]
+            assert bytes(after) == before  # nothing outside the destinations
+            outcomes["build_tree OK (into caller memory)"] += 1
+        _count("output_references")
+
+    run()
+
+
+def _without_outputs(request: pb.BuildTreeRequest) -> pb.BuildTreeRequest:
+    plain = pb.BuildTreeRequest()
+    plain.CopyFrom(request)
+    plain.ClearField("outputs")
+    return plain
 
 
 # ---------------------------------------------------------------------------- raw bytes
