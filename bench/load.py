@@ -44,7 +44,7 @@ _log = logging.getLogger("ddtree.bench.load")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 BATCH_SIZE, DRAFT_LEN, VOCAB_SIZE, BUDGET = 2, 4, 1024, 16
-NUM_HEADS, HEAD_DIM, V_DIM, PAGE_SIZE, MAX_PAGES = 4, 64, 32, 16, 4
+NUM_HEADS, HEAD_DIM, V_DIM, PAGE_SIZE, MAX_PAGES = 4, 64, 64, 16, 4  # CUDA: multiples of 64
 METHODS = ("BuildTree", "AcceptTree", "VerifyAttention")
 NO_RETRY = RetryPolicy(max_attempts=1)
 """Every failure counts: the load must not need retries."""

@@ -94,8 +94,8 @@ def bind(
     kind, target = parse_listen(address)
     if kind == "tcp":
         if credentials is None:
-            return grpc_server.add_insecure_port(address)
-        return grpc_server.add_secure_port(address, credentials)
+            return int(grpc_server.add_insecure_port(address))
+        return int(grpc_server.add_secure_port(address, credentials))
     # The umask is process-wide; it is narrowed only for the bind, before the server starts.
     previous = os.umask(_OWNER_ONLY_UMASK)
     try:
@@ -115,12 +115,12 @@ def client_identity(context: grpc.aio.ServicerContext) -> str:
         ``"x509:<subject>"`` for a client certificate (mTLS), ``"ip:<address>"`` for a TCP peer
         without one, ``"unix"`` for every caller on a Unix socket.
     """
-    auth = context.auth_context()
+    auth: dict[str, list[bytes]] = context.auth_context()
     for key in ("x509_subject", "x509_common_name"):
         values = auth.get(key)
         if values:
             return "x509:" + values[0].decode("utf-8", "replace")
-    peer = context.peer()
+    peer: str = context.peer()
     if peer.startswith(("ipv4:", "ipv6:")):
         host = peer[len("ipv4:") :].rpartition(":")[0]
         return "ip:" + host.strip("[]")
