@@ -47,7 +47,9 @@ def verify_attention(
     tree : Tree
         The trees being verified; its ``num_nodes_max`` equals ``q.shape[1]``.
     v_dim : int
-        Value width, ``1 <= v_dim <= head_dim``.
+        Value width, ``1 <= v_dim <= head_dim``. The CUDA kernel takes ``head_dim`` a multiple
+        of 64 and ``v_dim`` a multiple of 64 up to 512 (MLA: 576 and 512) and raises
+        ``ValueError`` naming the limit otherwise; ``backend="reference"`` takes any.
     sm_scale : float, optional
         Softmax scale; default ``1 / sqrt(head_dim)``. MLA models pass their own (DeepSeek-V3:
         ``1 / sqrt(192)`` times any YaRN factor).
