@@ -30,6 +30,10 @@ environment variable               flag                         default
 =================================  ===========================  ===============================
 
 ``DDTREE_MAX_CONCURRENT_CALLS_PER_CLIENT`` / ``--max-concurrent-calls-per-client``: 0 (no limit).
+``DDTREE_BIND_REGIONS_TO_CLIENT`` / ``--bind-regions-to-client`` (``--no-bind-regions-to-client``):
+on. ``DDTREE_MAX_REGIONS_PER_CLIENT`` / ``--max-regions-per-client`` and
+``DDTREE_MAX_REGISTERED_BYTES_PER_CLIENT`` / ``--max-registered-bytes-per-client``: 0 (no
+per-client limit beyond the server-wide ones).
 """
 
 from __future__ import annotations
@@ -107,6 +111,16 @@ class ServiceConfig:
     max_concurrent_calls_per_client : int
         Calls one client identity (certificate subject, peer IP, or ``unix``) may have in
         flight; more get RESOURCE_EXHAUSTED (``OVERLOADED``); ``0`` for no per-client limit.
+    bind_regions_to_client : bool
+        Whether a registered region is bound to the client identity that registered it: calls
+        of another identity that use, list or unregister its token get NOT_FOUND
+        (``MEMORY_TOKEN_NOT_FOUND``), as for an unknown token. Every Unix-socket caller has the
+        identity ``unix``, so there the socket's mode and group are the boundary.
+    max_regions_per_client : int
+        Regions one client identity may have registered at once, ``>= 0``; more get
+        RESOURCE_EXHAUSTED (``MEMORY_LIMIT_EXCEEDED``); ``0`` for no per-client limit.
+    max_registered_bytes_per_client : int
+        Sum of one client identity's registered bytes, ``>= 0``; ``0`` for no per-client limit.
     """
 
     listen: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -131,6 +145,9 @@ class ServiceConfig:
     tls_client_ca: Path | None = None
     unix_socket_mode: int = 0o660
     max_concurrent_calls_per_client: int = 0
+    bind_regions_to_client: bool = True
+    max_regions_per_client: int = 0
+    max_registered_bytes_per_client: int = 0
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -179,11 +196,13 @@ class ServiceConfig:
             raise ValueError(
                 f"unix_socket_mode: expected 0..0o777, got {oct(self.unix_socket_mode)}"
             )
-        if self.max_concurrent_calls_per_client < 0:
-            raise ValueError(
-                "max_concurrent_calls_per_client: expected >= 0 (0: no limit), got "
-                f"{self.max_concurrent_calls_per_client}"
-            )
+        for name in (
+            "max_concurrent_calls_per_client",
+            "max_regions_per_client",
+            "max_registered_bytes_per_client",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0 (0: no limit), got {getattr(self, name)}")
 
     def kernel_environment(self) -> dict[str, str]:
         """The ``DDTREE_*`` variables ``ddtree.kernels.jit`` reads, as set by this config.
@@ -361,6 +380,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="calls one client (certificate subject, peer IP, or all Unix-socket callers) may "
         "have in flight, 0 for no limit [env DDTREE_MAX_CONCURRENT_CALLS_PER_CLIENT; default 0]",
     )
+    access.add_argument(
+        "--bind-regions-to-client",
+        action=argparse.BooleanOptionalAction,
+        help="only the client identity that registered a region can use, list or unregister "
+        "it; all Unix-socket callers share one identity "
+        "[env DDTREE_BIND_REGIONS_TO_CLIENT; default on]",
+    )
+    access.add_argument(
+        "--max-regions-per-client",
+        type=int,
+        metavar="N",
+        help="regions one client identity may have registered, 0 for no per-client limit "
+        "[env DDTREE_MAX_REGIONS_PER_CLIENT; default 0]",
+    )
+    access.add_argument(
+        "--max-registered-bytes-per-client",
+        type=int,
+        metavar="N",
+        help="registered bytes of one client identity, 0 for no per-client limit "
+        "[env DDTREE_MAX_REGISTERED_BYTES_PER_CLIENT; default 0]",
+    )
     compute = parser.add_argument_group("compute")
     compute.add_argument(
         "--device",
@@ -415,6 +455,9 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "tls_client_ca": Path,
     "unix_socket_mode": _octal,
     "max_concurrent_calls_per_client": int,
+    "bind_regions_to_client": _env_bool,
+    "max_regions_per_client": int,
+    "max_registered_bytes_per_client": int,
 }
 
 

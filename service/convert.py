@@ -89,19 +89,29 @@ class TensorResolver:
     memory : RegionTable, optional
         The engine's registered memory; ``None`` refuses references (FAILED_PRECONDITION,
         ``MEMORY_REFERENCES_UNSUPPORTED``).
+    owner : str
+        Identity of the caller whose requests this resolver decodes (``access.client_identity``;
+        ``""`` in-process): references resolve only to regions it may use.
     """
 
-    def __init__(self, limits: CallLimits, memory: RegionTable | None = None) -> None:
+    def __init__(
+        self, limits: CallLimits, memory: RegionTable | None = None, owner: str = ""
+    ) -> None:
         self.limits = limits
         self.memory = memory
+        self.owner = owner
         self.leases: Leases | None = None
         """Leases of the call this resolver decodes (``for_call``); ``None`` on the shared one."""
 
+    def for_owner(self, owner: str) -> TensorResolver:
+        """The same resolver for the requests of caller identity ``owner``."""
+        return TensorResolver(self.limits, self.memory, owner)
+
     def for_call(self) -> TensorResolver:
         """A resolver for one request, collecting the leases of the regions it references."""
-        resolver = TensorResolver(self.limits, self.memory)
+        resolver = TensorResolver(self.limits, self.memory, self.owner)
         if self.memory is not None:
-            resolver.leases = self.memory.leases()
+            resolver.leases = self.memory.leases(self.owner)
         return resolver
 
     def release(self) -> None:

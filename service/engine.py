@@ -419,12 +419,13 @@ class Engine:
     # ------------------------------------------------------------------ registered memory
 
     def register_memory(
-        self, ipc_handle: bytes, device_uuid: str, byte_size: int, client_id: str
+        self, ipc_handle: bytes, device_uuid: str, byte_size: int, client_id: str, owner: str = ""
     ) -> Future[tuple[str, RegionInfo]]:
         """Map a caller's CUDA IPC allocation; the future gives ``(token, region)``.
 
-        The driver calls run on the device worker. See ``RegionTable.register`` for the errors
-        (raised through the future).
+        The driver calls run on the device worker. See ``RegionTable.register`` for the
+        parameters (``owner``: the caller's identity as the server derived it, ``""``
+        in-process) and the errors (raised through the future).
 
         Raises
         ------
@@ -435,29 +436,31 @@ class Engine:
         """
         memory = self._require_memory()
         return self._submit(
-            None, lambda: memory.register(ipc_handle, device_uuid, byte_size, client_id)
+            None, lambda: memory.register(ipc_handle, device_uuid, byte_size, client_id, owner)
         )
 
-    def unregister_memory(self, token: str) -> RegionInfo:
-        """Forget a region; its mapping closes when the calls using it end.
+    def unregister_memory(self, token: str, owner: str = "") -> RegionInfo:
+        """Forget a region of ``owner``; its mapping closes when the calls using it end.
 
         Raises
         ------
         MemoryTokenNotFound
-            Unknown or expired token (always, on an engine without registered memory).
+            Unknown or expired token, another owner's region (identity-bound regions), and
+            always on an engine without registered memory.
         """
         if self.memory is None:
             raise MemoryTokenNotFound(
                 "unregister_memory.region_token: unknown region token",
                 field="unregister_memory.region_token",
             )
-        return self.memory.unregister(token)
+        return self.memory.unregister(token, owner)
 
-    def list_memory(self, client_id: str) -> list[RegionInfo]:
-        """Regions registered with ``client_id`` (none on an engine without registered memory)."""
+    def list_memory(self, client_id: str, owner: str = "") -> list[RegionInfo]:
+        """Regions registered with ``client_id`` that ``owner`` may see (identity-bound regions:
+        only its own); none on an engine without registered memory."""
         if self.memory is None:
             return []
-        return self.memory.list(client_id)
+        return self.memory.list(client_id, owner)
 
     def _require_memory(self) -> RegionTable:
         if self._is_closed:

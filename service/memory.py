@@ -11,8 +11,13 @@ Safety rules kept here:
 
 - A token is ``secrets.token_urlsafe(24)`` (192 random bits). It is a capability: it is never
   logged or listed; logs and ``ListMemory`` show a separate, non-secret ``region_id``.
-- Regions and their bytes are bounded per server (``MemoryLimits``); past them registration
-  gets RESOURCE_EXHAUSTED and nothing is mapped.
+- A region is bound to its owner: the identity of the caller that registered it, which the
+  server derives from the connection (``access.client_identity``: certificate subject on mTLS,
+  peer IP on TCP, ``"unix"`` for every Unix-socket caller), never from the request. With
+  ``MemoryLimits.bind_to_owner`` another identity's use, listing or unregistering of the token
+  gets NOT_FOUND exactly as an unknown token does, so a leaked token reveals nothing.
+- Regions and their bytes are bounded per server and per owner (``MemoryLimits``); past them
+  registration gets RESOURCE_EXHAUSTED and nothing is mapped.
 - Every call that resolves references holds a lease on each region it uses. ``unregister`` makes
   the token unknown at once, but the mapping is closed only when the last lease is released, so
   an in-flight call never touches unmapped memory.
@@ -95,11 +100,21 @@ class MemoryLimits:
         Sum of the registered regions' ``byte_size``, ``>= 1``.
     idle_timeout_s : float
         A region no call has used for this long expires, ``> 0``; ``math.inf`` never expires.
+    bind_to_owner : bool
+        Whether only the owner (the identity that registered a region) can use, list or
+        unregister it; other identities get NOT_FOUND as for an unknown token.
+    max_regions_per_owner : int
+        Regions one owner may have registered at once, ``>= 0``; ``0`` for no per-owner limit.
+    max_bytes_per_owner : int
+        Sum of one owner's regions' ``byte_size``, ``>= 0``; ``0`` for no per-owner limit.
     """
 
     max_regions: int = 1024
     max_bytes: int = 1 << 40
     idle_timeout_s: float = 600.0
+    bind_to_owner: bool = True
+    max_regions_per_owner: int = 0
+    max_bytes_per_owner: int = 0
 
     def __post_init__(self) -> None:
         if self.max_regions < 1:
@@ -108,6 +123,9 @@ class MemoryLimits:
             raise ValueError(f"max_bytes: expected >= 1, got {self.max_bytes}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s: expected > 0, got {self.idle_timeout_s}")
+        for name in ("max_regions_per_owner", "max_bytes_per_owner"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0 (0: no limit), got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -231,6 +249,7 @@ class _Region:
         "is_unregistered",
         "last_used_s",
         "leases",
+        "owner",
         "pointer",
         "region_id",
     )
@@ -240,6 +259,7 @@ class _Region:
         *,
         region_id: str,
         client_id: str,
+        owner: str,
         device_uuid: str,
         pointer: int,
         byte_size: int,
@@ -248,6 +268,7 @@ class _Region:
     ) -> None:
         self.region_id = region_id
         self.client_id = client_id
+        self.owner = owner  # server-derived identity of the registering caller
         self.device_uuid = device_uuid
         self.pointer = pointer
         self.byte_size = byte_size
@@ -304,6 +325,7 @@ class RegionTable:
         self._bytes = 0
         self._pending = 0  # registrations between the limit check and the insert
         self._pending_bytes = 0
+        self._usage: dict[str, list[int]] = {}  # owner -> [regions, bytes], pending included
         self._closing: list[_Region] = []
         self._last_sweep_s = -math.inf
         self._is_closed = False
@@ -311,7 +333,7 @@ class RegionTable:
     # ------------------------------------------------------------------ registration
 
     def register(
-        self, ipc_handle: bytes, device_uuid: str, byte_size: int, client_id: str
+        self, ipc_handle: bytes, device_uuid: str, byte_size: int, client_id: str, owner: str = ""
     ) -> tuple[str, RegionInfo]:
         """Map a caller's allocation and return its token.
 
@@ -324,7 +346,10 @@ class RegionTable:
         byte_size : int
             Bytes the caller will reference from the base, ``1 ..`` the allocation's size.
         client_id : str
-            Caller identity for ``list``, ``<= 64`` chars of ``[A-Za-z0-9_.:-]``.
+            Caller-chosen name for ``list``, ``<= 64`` chars of ``[A-Za-z0-9_.:-]``.
+        owner : str
+            The caller's identity as the server derived it (``access.client_identity``); with
+            ``bind_to_owner`` only calls of this identity reach the region. ``""`` in-process.
 
         Returns
         -------
@@ -340,7 +365,8 @@ class RegionTable:
         DeviceMismatch
             ``device_uuid`` is not this server's GPU.
         MemoryLimitExceeded
-            Registering would pass ``max_regions`` or ``max_bytes``.
+            Registering would pass ``max_regions`` or ``max_bytes``, or the owner's
+            ``max_regions_per_owner`` or ``max_bytes_per_owner``.
         IpcOpenFailed
             The driver cannot open the handle (closed or foreign allocation, another node,
             no shared IPC namespace).
@@ -367,16 +393,18 @@ class RegionTable:
         with self._lock:
             self._raise_if_closed()
             self._check_limits(byte_size)
+            self._check_owner_limits(owner, byte_size)
             self._pending += 1
             self._pending_bytes += byte_size
+            self._charge(owner, 1, byte_size)
         try:
             pointer, mapped_bytes = self._mapper.open_memory(ipc_handle)
         except BaseException:
-            self._unreserve(byte_size)
+            self._unreserve(owner, byte_size)
             raise
         if byte_size > mapped_bytes:
             self._close_pointer(pointer, "oversized")
-            self._unreserve(byte_size)
+            self._unreserve(owner, byte_size)
             raise InvalidIpcHandle(
                 f"register_memory.byte_size: {byte_size} bytes is larger than the allocation "
                 f"the handle names ({mapped_bytes} bytes); send at most the allocation's size",
@@ -386,6 +414,7 @@ class RegionTable:
         region = _Region(
             region_id=secrets.token_hex(8),
             client_id=client_id,
+            owner=owner,
             device_uuid=device_uuid,
             pointer=pointer,
             byte_size=byte_size,
@@ -406,22 +435,31 @@ class RegionTable:
         self._changed()
         return token, region.info()
 
-    def unregister(self, token: str) -> RegionInfo:
+    def unregister(self, token: str, owner: str = "") -> RegionInfo:
         """Forget a region; its mapping closes once no call holds a lease on it.
+
+        Parameters
+        ----------
+        token : str
+            The region's token.
+        owner : str
+            The caller's identity (see ``register``).
 
         Raises
         ------
         MemoryTokenNotFound
-            The token is unknown or expired.
+            The token is unknown or expired, or (with ``bind_to_owner``) another owner's.
         """
         with self._lock:
-            region = self._regions.pop(token, None) if _is_token(token) else None
+            region = self._find(token, owner)
             if region is None:
                 raise MemoryTokenNotFound(
                     "unregister_memory.region_token: unknown or expired region token",
                     field="unregister_memory.region_token",
                 )
+            del self._regions[token]
             self._bytes -= region.byte_size
+            self._charge(region.owner, -1, -region.byte_size)
             region.is_unregistered = True
             close_now = region.leases == 0
         _log.info(
@@ -434,8 +472,10 @@ class RegionTable:
         self._changed()
         return region.info()
 
-    def list(self, client_id: str) -> list[RegionInfo]:
+    def list(self, client_id: str, owner: str = "") -> list[RegionInfo]:
         """The regions registered with ``client_id``, oldest first.
+
+        With ``bind_to_owner``, only those ``owner`` (the caller's identity) registered.
 
         Raises
         ------
@@ -445,16 +485,20 @@ class RegionTable:
         check_client_id("list_memory.client_id", client_id)
         self.sweep(force=True)
         with self._lock:
-            return [r.info() for r in self._regions.values() if r.client_id == client_id]
+            return [
+                r.info()
+                for r in self._regions.values()
+                if r.client_id == client_id and self._may_use(r, owner)
+            ]
 
     def stats(self) -> tuple[int, int]:
         """``(regions, byte_size)`` registered now (regions closing after unregister excluded)."""
         with self._lock:
             return len(self._regions), self._bytes
 
-    def leases(self) -> Leases:
-        """A fresh, empty set of leases for one call."""
-        return Leases(self)
+    def leases(self, owner: str = "") -> Leases:
+        """A fresh, empty set of leases for one call of ``owner`` (see ``register``)."""
+        return Leases(self, owner)
 
     # ------------------------------------------------------------------ expiry and shutdown
 
@@ -475,6 +519,7 @@ class RegionTable:
                 if region.leases == 0 and now - region.last_used_s > timeout:
                     del self._regions[token]
                     self._bytes -= region.byte_size
+                    self._charge(region.owner, -1, -region.byte_size)
                     region.is_unregistered = True
                     expired.append(region)
         for region in expired:
@@ -498,6 +543,7 @@ class RegionTable:
             self._bytes = 0
             idle = []
             for region in regions:
+                self._charge(region.owner, -1, -region.byte_size)
                 region.is_unregistered = True
                 if region.leases == 0:
                     idle.append(region)
@@ -507,10 +553,10 @@ class RegionTable:
 
     # ------------------------------------------------------------------ leases (via Leases)
 
-    def _acquire(self, token: str, field: str) -> _Region:
+    def _acquire(self, token: str, field: str, owner: str) -> _Region:
         self.sweep()
         with self._lock:
-            region = self._regions.get(token) if _is_token(token) else None
+            region = self._find(token, owner)
             if region is None:
                 raise MemoryTokenNotFound(
                     f"{field}.ref.region_token: unknown or expired region token; register the "
@@ -558,10 +604,47 @@ class RegionTable:
                 field="register_memory.byte_size",
             )
 
-    def _unreserve(self, byte_size: int) -> None:
+    def _check_owner_limits(self, owner: str, byte_size: int) -> None:
+        regions, held = self._usage.get(owner, [0, 0])
+        max_regions = self.limits.max_regions_per_owner
+        if max_regions and regions + 1 > max_regions:
+            raise MemoryLimitExceeded(
+                f"register_memory: client {owner or 'in-process'} holds {regions} regions, the "
+                f"server's max_regions_per_client is {max_regions}; unregister unused regions",
+                field="register_memory",
+            )
+        max_bytes = self.limits.max_bytes_per_owner
+        if max_bytes and held + byte_size > max_bytes:
+            raise MemoryLimitExceeded(
+                f"register_memory.byte_size: {byte_size} more bytes would pass the server's "
+                f"max_registered_bytes_per_client {max_bytes} for client "
+                f"{owner or 'in-process'} ({held} registered)",
+                field="register_memory.byte_size",
+            )
+
+    def _charge(self, owner: str, regions: int, byte_size: int) -> None:
+        # Under the lock: counts an owner's regions and bytes (reservations included).
+        usage = self._usage.setdefault(owner, [0, 0])
+        usage[0] += regions
+        usage[1] += byte_size
+        if usage[0] == 0:
+            del self._usage[owner]
+
+    def _may_use(self, region: _Region, owner: str) -> bool:
+        return not self.limits.bind_to_owner or region.owner == owner
+
+    def _find(self, token: str, owner: str) -> _Region | None:
+        # Under the lock. Another owner's region is not found, exactly like an unknown token.
+        region = self._regions.get(token) if _is_token(token) else None
+        if region is None or not self._may_use(region, owner):
+            return None
+        return region
+
+    def _unreserve(self, owner: str, byte_size: int) -> None:
         with self._lock:
             self._pending -= 1
             self._pending_bytes -= byte_size
+            self._charge(owner, -1, -byte_size)
 
     def _close_region(self, region: _Region) -> None:
         region.bytes_view = None
@@ -603,12 +686,14 @@ def check_client_id(field: str, client_id: str) -> None:
 class Leases:
     """The regions one call uses: each resolved reference holds its region until ``release``.
 
-    Made by ``RegionTable.leases()``; release it once the call's device work has finished
-    (the engine does, from the call's future). ``release`` is idempotent.
+    Made by ``RegionTable.leases(owner)``; release it once the call's device work has finished
+    (the engine does, from the call's future). ``release`` is idempotent. References resolve
+    only to regions ``owner`` may use (see ``MemoryLimits.bind_to_owner``).
     """
 
-    def __init__(self, table: RegionTable) -> None:
+    def __init__(self, table: RegionTable, owner: str = "") -> None:
         self._table = table
+        self._owner = owner
         self._regions: list[_Region] = []
         self._lock = threading.Lock()
         self._is_released = False
@@ -647,13 +732,13 @@ class Leases:
         Raises
         ------
         MemoryTokenNotFound
-            Unknown or expired token.
+            Unknown or expired token, or (with ``bind_to_owner``) another owner's region.
         InvalidReference
             Out of bounds or misaligned for ``dtype``.
         DeviceMismatch
             The region is on another device than the call's.
         """
-        region = self._table._acquire(token, field)
+        region = self._table._acquire(token, field, self._owner)
         with self._lock:
             if self._is_released:
                 self._table._release(region)

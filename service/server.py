@@ -47,6 +47,7 @@ __all__ = [
     "ErrorMappingInterceptor",
     "Server",
     "create_server",
+    "memory_limits",
     "serve",
     "status_details",
 ]
@@ -342,6 +343,18 @@ class Server:
         await self.grpc_server.wait_for_termination()
 
 
+def memory_limits(config: ServiceConfig) -> MemoryLimits:
+    """The registered-memory bounds and identity binding ``config`` sets for the engine."""
+    return MemoryLimits(
+        max_regions=config.max_registered_regions,
+        max_bytes=config.max_registered_bytes,
+        idle_timeout_s=config.memory_idle_timeout_s,
+        bind_to_owner=config.bind_regions_to_client,
+        max_regions_per_owner=config.max_regions_per_client,
+        max_bytes_per_owner=config.max_registered_bytes_per_client,
+    )
+
+
 def create_server(
     config: ServiceConfig,
     *,
@@ -389,11 +402,7 @@ def create_server(
             backend=config.backend,
             limits=limits,
             observer=engine_observer,
-            memory_limits=MemoryLimits(
-                max_regions=config.max_registered_regions,
-                max_bytes=config.max_registered_bytes,
-                idle_timeout_s=config.memory_idle_timeout_s,
-            ),
+            memory_limits=memory_limits(config),
         )
     servers: list[Server] = []
     error_interceptor = ErrorMappingInterceptor(

@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from ddtree.service import convert
+from ddtree.service.access import client_identity
 from ddtree.service.config import ServiceConfig
 from ddtree.service.engine import Engine
 from ddtree.service.errors import (
@@ -53,7 +54,8 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
     config : ServiceConfig
         Limits reported by GetServerInfo and the deadline cap.
     resolver : convert.TensorResolver
-        Decodes request tensors.
+        Decodes request tensors (per call, for the caller's identity: registered regions are
+        bound to the identity that registered them).
     """
 
     def __init__(
@@ -95,7 +97,11 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
     ) -> pb.RegisterMemoryResponse:
         """Map the caller's CUDA IPC allocation; reply with its capability token."""
         future = self._engine.register_memory(
-            request.ipc_handle, request.device_uuid, request.byte_size, request.client_id
+            request.ipc_handle,
+            request.device_uuid,
+            request.byte_size,
+            request.client_id,
+            owner=client_identity(context),
         )
         token, region = await self._await(future, self._budget_s(context))
         return pb.RegisterMemoryResponse(region_token=token, byte_size=region.byte_size)
@@ -104,7 +110,7 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         self, request: pb.UnregisterMemoryRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnregisterMemoryResponse:
         """Forget a region (its mapping closes when the calls using it end)."""
-        self._engine.unregister_memory(request.region_token)
+        self._engine.unregister_memory(request.region_token, owner=client_identity(context))
         return pb.UnregisterMemoryResponse()
 
     async def ListMemory(
@@ -116,7 +122,7 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
                 pb.MemoryRegion(
                     region_id=r.region_id, device_uuid=r.device_uuid, byte_size=r.byte_size
                 )
-                for r in self._engine.list_memory(request.client_id)
+                for r in self._engine.list_memory(request.client_id, owner=client_identity(context))
             ]
         )
 
@@ -126,9 +132,10 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         """Build the draft trees."""
         budget_s = self._budget_s(context)
         deadline_s = time.monotonic() + budget_s
+        resolver = self._resolver.for_owner(client_identity(context))
         call = await _convert(
             request.ByteSize(),
-            lambda: convert.build_tree_call(request, self._resolver, deadline_s=deadline_s),
+            lambda: convert.build_tree_call(request, resolver, deadline_s=deadline_s),
         )
         tree = await self._await(self._engine.build_tree(call), budget_s)
         if call.out is not None:
@@ -141,9 +148,10 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         """Walk the trees; commit the KV cache when asked and return it (sent inline)."""
         budget_s = self._budget_s(context)
         deadline_s = time.monotonic() + budget_s
+        resolver = self._resolver.for_owner(client_identity(context))
         call = await _convert(
             request.ByteSize(),
-            lambda: convert.accept_tree_call(request, self._resolver, deadline_s=deadline_s),
+            lambda: convert.accept_tree_call(request, resolver, deadline_s=deadline_s),
         )
         result = await self._await(self._engine.accept_tree(call), budget_s)
 
@@ -167,9 +175,10 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         """Tree-masked paged attention."""
         budget_s = self._budget_s(context)
         deadline_s = time.monotonic() + budget_s
+        resolver = self._resolver.for_owner(client_identity(context))
         call = await _convert(
             request.ByteSize(),
-            lambda: convert.verify_attention_call(request, self._resolver, deadline_s=deadline_s),
+            lambda: convert.verify_attention_call(request, resolver, deadline_s=deadline_s),
         )
         out, lse = await self._await(self._engine.verify_attention(call), budget_s)
 

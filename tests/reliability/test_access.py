@@ -10,7 +10,7 @@ import ipaddress
 import logging
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +31,13 @@ from helpers.ipc import HostMapper
 from helpers.service_inputs import BUDGET, Step, make_step
 from helpers.serving import ServerThread
 
-from ddtree.clients import Client, RetryPolicy, TlsOptions
+from ddtree.clients import Client, RetryPolicy, TlsOptions, _wire
 from ddtree.clients.errors import ResourceExhaustedError, UnavailableError
 from ddtree.service.config import ServiceConfig, config_from_args
 from ddtree.service.engine import Engine
+from ddtree.service.errors import IpcOpenFailed, MemoryLimitExceeded, MemoryTokenNotFound
 from ddtree.service.memory import TOKEN_BYTES, MemoryLimits, RegionTable
+from ddtree.service.server import memory_limits
 from ddtree.v1 import tensor_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
@@ -208,8 +210,10 @@ def test_unreadable_tls_file_names_the_setting(tmp_path: Path, pki: Pki) -> None
         ({"tls_client_ca": Path("/ca.pem")}, "tls_client_ca"),
         ({"unix_socket_mode": 0o1777}, "unix_socket_mode"),
         ({"max_concurrent_calls_per_client": -1}, "max_concurrent_calls_per_client"),
+        ({"max_regions_per_client": -1}, "max_regions_per_client"),
+        ({"max_registered_bytes_per_client": -1}, "max_registered_bytes_per_client"),
     ],
-    ids=["cert-without-key", "ca-without-tls", "mode", "per-client"],
+    ids=["cert-without-key", "ca-without-tls", "mode", "per-client", "regions", "bytes"],
 )
 def test_bad_access_settings_name_the_setting(env: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -356,6 +360,9 @@ def test_access_settings_from_env_and_flags(tmp_path: Path) -> None:
         "DDTREE_TLS_CLIENT_CA": "/etc/ddtree/ca.crt",
         "DDTREE_UNIX_SOCKET_MODE": "0600",
         "DDTREE_MAX_CONCURRENT_CALLS_PER_CLIENT": "4",
+        "DDTREE_BIND_REGIONS_TO_CLIENT": "0",
+        "DDTREE_MAX_REGIONS_PER_CLIENT": "8",
+        "DDTREE_MAX_REGISTERED_BYTES_PER_CLIENT": "1048576",
     }
     config = config_from_args([], env)
     assert config.tls_cert == Path("/etc/ddtree/tls.crt")
@@ -363,6 +370,20 @@ def test_access_settings_from_env_and_flags(tmp_path: Path) -> None:
     assert config.tls_client_ca == Path("/etc/ddtree/ca.crt")
     assert config.unix_socket_mode == 0o600
     assert config.max_concurrent_calls_per_client == 4
+    assert config.bind_regions_to_client is False
+    assert (config.max_regions_per_client, config.max_registered_bytes_per_client) == (8, 1 << 20)
+    limits = memory_limits(config)
+    assert (limits.bind_to_owner, limits.max_regions_per_owner) == (False, 8)
+    assert limits.max_bytes_per_owner == 1 << 20
+    flags = ["--bind-regions-to-client", "--max-regions-per-client", "0"]
+    config = config_from_args(flags, env)
+    assert (config.bind_regions_to_client, config.max_regions_per_client) == (True, 0)
+    assert config_from_args(["--no-bind-regions-to-client"], {}).bind_regions_to_client is False
+    defaults = config_from_args([], {})
+    assert defaults.bind_regions_to_client is True
+    assert (defaults.max_regions_per_client, defaults.max_registered_bytes_per_client) == (0, 0)
+    with pytest.raises(ValueError, match="DDTREE_BIND_REGIONS_TO_CLIENT"):
+        config_from_args([], {"DDTREE_BIND_REGIONS_TO_CLIENT": "maybe"})
     flags = ["--unix-socket-mode", "660", "--max-concurrent-calls-per-client", "0"]
     config = config_from_args(flags, env)
     assert (config.unix_socket_mode, config.max_concurrent_calls_per_client) == (0o660, 0)
@@ -424,3 +445,176 @@ def test_region_tokens_never_reach_the_server_log(
         assert event in text
     assert token not in text
     assert token[:12] not in text and altered not in text
+
+
+# ------------------------------------------------------------------------ identity-bound regions
+
+REGION_BYTES = 4096
+
+
+@dataclass
+class Tenant:
+    """One client identity's raw stub on the mTLS server."""
+
+    channel: grpc.Channel
+    stub: pb_grpc.TreeSpeculationServiceStub
+
+    def register(self, mapper: HostMapper, uuid: str, byte_size: int = REGION_BYTES) -> str:
+        handle = mapper.export(torch.arange(byte_size, dtype=torch.int64).to(torch.uint8))
+        request = pb.RegisterMemoryRequest(
+            ipc_handle=handle, device_uuid=uuid, byte_size=byte_size, client_id="shared"
+        )
+        return str(self.stub.RegisterMemory(request, timeout=10).region_token)
+
+    def build(self, token: str) -> pb.BuildTreeResponse:
+        logits = tensor_pb2.Tensor(
+            dtype=tensor_pb2.DTYPE_FLOAT32,
+            shape=[1, 2, 8],
+            ref=tensor_pb2.TensorRef(region_token=token, offset_bytes=0),
+        )
+        roots = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[1], inline=bytes(8))
+        request = pb.BuildTreeRequest(draft_logits=logits, root_tokens=roots, budget=3)
+        return self.stub.BuildTree(request, timeout=10)
+
+    def listed(self) -> int:
+        return len(
+            self.stub.ListMemory(pb.ListMemoryRequest(client_id="shared"), timeout=10).regions
+        )
+
+    def unregister(self, token: str) -> None:
+        self.stub.UnregisterMemory(pb.UnregisterMemoryRequest(region_token=token), timeout=10)
+
+
+@dataclass
+class Tenancy:
+    """An mTLS server with registered memory over host buffers, and alice's and bob's stubs."""
+
+    mapper: HostMapper
+    uuid: str
+    alice: Tenant
+    bob: Tenant
+
+
+@contextlib.contextmanager
+def _tenancy(tmp_path: Path, pki: Pki, **settings: object) -> Iterator[Tenancy]:
+    config = _tls_config(tmp_path, pki, mutual=True, **settings)
+    mapper = HostMapper()
+    engine = Engine(device="cpu", ipc_mapper=mapper, memory_limits=memory_limits(config))
+    with _serving(config, engine=engine) as thread, contextlib.ExitStack() as stack:
+        tenants = []
+        for pem in (pki.alice, pki.bob):
+            credentials = grpc.ssl_channel_credentials(pki.ca.cert, pem.key, pem.cert)
+            channel = stack.enter_context(grpc.secure_channel(thread.addresses[0], credentials))
+            tenants.append(Tenant(channel, pb_grpc.TreeSpeculationServiceStub(channel)))
+        yield Tenancy(mapper, engine.info().devices[0].uuid, *tenants)
+
+
+def _refused(call: Callable[[], object], code: str, reason: str, field: str) -> str:
+    """Run ``call``; it must fail with ``code`` and ``reason`` naming ``field``; the message."""
+    with pytest.raises(grpc.RpcError) as raised:
+        call()
+    error = _wire.error_from_rpc(raised.value)
+    assert (error.code, error.reason) == (code, reason), error.message
+    assert field in error.message
+    return error.message
+
+
+def test_a_region_token_reaches_only_the_identity_that_registered_it(
+    tmp_path: Path, pki: Pki
+) -> None:
+    with _tenancy(tmp_path, pki) as t:
+        token = t.alice.register(t.mapper, t.uuid)
+        expected = t.alice.build(token)
+        unknown = "A" * len(token)
+        # Bob holding alice's token gets exactly what an unknown token gets.
+        field = "build_tree.draft_logits.ref.region_token"
+        message = _refused(lambda: t.bob.build(token), "NOT_FOUND", "MEMORY_TOKEN_NOT_FOUND", field)
+        assert message == _refused(
+            lambda: t.bob.build(unknown), "NOT_FOUND", "MEMORY_TOKEN_NOT_FOUND", field
+        )
+        assert t.bob.listed() == 0
+        field = "unregister_memory.region_token"
+        _refused(lambda: t.bob.unregister(token), "NOT_FOUND", "MEMORY_TOKEN_NOT_FOUND", field)
+        # Alice's region is untouched by bob's attempts.
+        assert t.alice.listed() == 1
+        assert t.alice.build(token) == expected
+        t.alice.unregister(token)
+        assert t.alice.listed() == 0
+        assert t.mapper.mapped == 0
+
+
+def test_without_binding_any_identity_holding_the_token_reaches_the_region(
+    tmp_path: Path, pki: Pki
+) -> None:
+    with _tenancy(tmp_path, pki, bind_regions_to_client=False) as t:
+        token = t.alice.register(t.mapper, t.uuid)
+        assert t.bob.build(token) == t.alice.build(token)
+        assert t.bob.listed() == 1
+        t.bob.unregister(token)
+        field = "unregister_memory.region_token"
+        _refused(lambda: t.alice.unregister(token), "NOT_FOUND", "MEMORY_TOKEN_NOT_FOUND", field)
+        assert t.mapper.mapped == 0
+
+
+def test_per_client_region_and_byte_limits(tmp_path: Path, pki: Pki) -> None:
+    limits = {"max_regions_per_client": 2, "max_registered_bytes_per_client": 5000}
+    with _tenancy(tmp_path, pki, **limits) as t:
+        first = t.alice.register(t.mapper, t.uuid, 2048)
+        t.alice.register(t.mapper, t.uuid, 2048)
+        message = _refused(
+            lambda: t.alice.register(t.mapper, t.uuid, 512),
+            "RESOURCE_EXHAUSTED",
+            "MEMORY_LIMIT_EXCEEDED",
+            "register_memory",
+        )
+        assert "CN=alice" in message and "max_regions_per_client is 2" in message
+        assert t.mapper.mapped == 2  # the refused registration mapped nothing
+        # Another identity still registers, up to its own byte limit.
+        held = t.bob.register(t.mapper, t.uuid, 4096)
+        message = _refused(
+            lambda: t.bob.register(t.mapper, t.uuid, 1024),
+            "RESOURCE_EXHAUSTED",
+            "MEMORY_LIMIT_EXCEEDED",
+            "register_memory.byte_size",
+        )
+        assert "max_registered_bytes_per_client 5000" in message and "CN=bob" in message
+        assert t.mapper.mapped == 3
+        # Unregistering frees the client's share.
+        t.alice.unregister(first)
+        t.alice.register(t.mapper, t.uuid, 512)
+        t.bob.unregister(held)
+        t.bob.register(t.mapper, t.uuid, 1024)
+        assert (t.alice.listed(), t.bob.listed()) == (2, 1)
+
+
+def test_a_failed_mapping_does_not_use_up_the_owners_share() -> None:
+    mapper = HostMapper()
+    limits = MemoryLimits(max_regions_per_owner=1, max_bytes_per_owner=4096)
+    table = RegionTable(
+        device=torch.device("cpu"), device_uuid="GPU-test", mapper=mapper, limits=limits
+    )
+    with pytest.raises(IpcOpenFailed):
+        table.register(bytes(64), "GPU-test", 4096, "a", owner="ip:10.0.0.1")
+    token, _ = table.register(
+        mapper.export(torch.zeros(4096, dtype=torch.uint8)),
+        "GPU-test",
+        4096,
+        "a",
+        owner="ip:10.0.0.1",
+    )
+    with pytest.raises(MemoryLimitExceeded, match="max_regions_per_client is 1"):
+        table.register(
+            mapper.export(torch.zeros(8, dtype=torch.uint8)),
+            "GPU-test",
+            8,
+            "a",
+            owner="ip:10.0.0.1",
+        )
+    table.register(
+        mapper.export(torch.zeros(8, dtype=torch.uint8)), "GPU-test", 8, "a", owner="ip:10.0.0.2"
+    )
+    # The in-process owner "" is an owner like any other.
+    with pytest.raises(MemoryTokenNotFound):
+        table.leases().resolve("build_tree.draft_logits", token, 0, torch.uint8, (8,))
+    table.close()
+    assert mapper.mapped == 0
