@@ -6,7 +6,9 @@
   ``unix_socket_mode`` (0660 by default), so only its owner and group can connect.
 - ``client_identity`` names the caller of a call: the certificate subject on mTLS, the peer IP
   address on TCP, ``"unix"`` on a Unix socket (gRPC exposes no peer credentials there; the
-  socket's mode and group decide who can connect at all).
+  socket's mode and group decide who can connect at all). The servicer also hands it to the
+  engine as the owner of registered regions (``--bind-regions-to-client``, per-client region and
+  byte limits; ``ddtree.service.memory``).
 - ``AccessInterceptor`` (the innermost interceptor) limits the calls each client identity has in
   flight (RESOURCE_EXHAUSTED, ``OVERLOADED``, past ``max_concurrent_calls_per_client``) and
   answers request bytes that are not a valid protobuf message with INVALID_ARGUMENT
@@ -107,7 +109,7 @@ def bind(
 
 
 def client_identity(context: grpc.aio.ServicerContext) -> str:
-    """The identity a call's limits are counted against.
+    """The identity a call's limits are counted against and its registered regions belong to.
 
     Returns
     -------
