@@ -90,6 +90,8 @@ def held_out_prompts(count: int, prompt_bytes: int = 128, root: Path | None = No
         Number of prompts, ``>= 1``.
     prompt_bytes : int
         Length of each prompt in bytes.
+    root : Path, optional
+        Standard-library folder to read; default this interpreter's (see ``stdlib_files``).
 
     Returns
     -------

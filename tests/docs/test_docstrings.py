@@ -20,10 +20,11 @@ _SECTION = re.compile(
 def _public_callables() -> Iterator[tuple[str, Callable[..., object]]]:
     for package_name in _PACKAGES:
         package = importlib.import_module(package_name)
+        # The prefix lets walk_packages import and descend into subpackages (ddtree.clients.toy).
         names = [package_name] + [
-            f"{package_name}.{info.name}"
-            for info in pkgutil.walk_packages(package.__path__)
-            if not info.name.startswith("_")
+            info.name
+            for info in pkgutil.walk_packages(package.__path__, prefix=f"{package_name}.")
+            if not info.name.rpartition(".")[2].startswith("_")
         ]
         for module_name in names:
             module = importlib.import_module(module_name)
