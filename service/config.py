@@ -34,6 +34,21 @@ environment variable               flag                         default
 on. ``DDTREE_MAX_REGIONS_PER_CLIENT`` / ``--max-regions-per-client`` and
 ``DDTREE_MAX_REGISTERED_BYTES_PER_CLIENT`` / ``--max-registered-bytes-per-client``: 0 (no
 per-client limit beyond the server-wide ones).
+
+Connection keepalive (gRPC channel arguments of the server; ``0`` turns the last three off):
+
+==========================================  ======================================  ========
+environment variable                        flag                                    default
+==========================================  ======================================  ========
+``DDTREE_KEEPALIVE_TIME_S``                 ``--keepalive-time-s``                  60
+``DDTREE_KEEPALIVE_TIMEOUT_S``              ``--keepalive-timeout-s``               20
+``DDTREE_KEEPALIVE_PERMIT_WITHOUT_CALLS``   ``--keepalive-permit-without-calls``    on
+``DDTREE_KEEPALIVE_MIN_PING_INTERVAL_S``    ``--keepalive-min-ping-interval-s``     10
+``DDTREE_KEEPALIVE_MAX_PING_STRIKES``       ``--keepalive-max-ping-strikes``        2
+``DDTREE_MAX_CONNECTION_IDLE_S``            ``--max-connection-idle-s``             0 (off)
+``DDTREE_MAX_CONNECTION_AGE_S``             ``--max-connection-age-s``              0 (off)
+``DDTREE_MAX_CONNECTION_AGE_GRACE_S``       ``--max-connection-age-grace-s``        30
+==========================================  ======================================  ========
 """
 
 from __future__ import annotations
@@ -55,6 +70,7 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda:\d+)$")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _BACKENDS = ("auto", "cuda", "reference")
 _GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's own ceiling (int32 lengths)
+_GRPC_MAX_MILLISECONDS = (1 << 31) - 1  # gRPC channel arguments are C ints
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,31 @@ class ServiceConfig:
         RESOURCE_EXHAUSTED (``MEMORY_LIMIT_EXCEEDED``); ``0`` for no per-client limit.
     max_registered_bytes_per_client : int
         Sum of one client identity's registered bytes, ``>= 0``; ``0`` for no per-client limit.
+    keepalive_time_s : float
+        The server pings a connection after this many seconds without activity on it, ``> 0``
+        (``grpc.keepalive_time_ms``).
+    keepalive_timeout_s : float
+        A ping unanswered for this long closes the connection and cancels its calls, ``> 0``
+        (``grpc.keepalive_timeout_ms``): a caller whose host vanished frees its slots after
+        ``keepalive_time_s + keepalive_timeout_s`` at most.
+    keepalive_permit_without_calls : bool
+        Whether clients may send keepalive pings on connections without calls
+        (``grpc.keepalive_permit_without_calls``): sidecar callers keep idle connections open.
+    keepalive_min_ping_interval_s : float
+        Client pings closer together than this (without data) count as strikes, ``>= 0``
+        (``grpc.http2.min_ping_interval_without_data_ms``).
+    keepalive_max_ping_strikes : int
+        Strikes after which the server closes the connection with GOAWAY ``too_many_pings``,
+        ``>= 0``; ``0`` for unlimited (``grpc.http2.max_ping_strikes``).
+    max_connection_idle_s : float
+        A connection without calls for this long is closed gracefully (GOAWAY; the client
+        reconnects on its next call), ``>= 0``; ``0`` for never (``grpc.max_connection_idle_ms``).
+    max_connection_age_s : float
+        A connection older than this is closed gracefully (spreads callers over replicas behind
+        a load balancer), ``>= 0``; ``0`` for never (``grpc.max_connection_age_ms``).
+    max_connection_age_grace_s : float
+        Seconds calls in flight get after ``max_connection_age_s`` before the connection is
+        closed, ``>= 0`` (``grpc.max_connection_age_grace_ms``).
     """
 
     listen: tuple[str, ...] = ("127.0.0.1:50051",)
@@ -148,6 +189,14 @@ class ServiceConfig:
     bind_regions_to_client: bool = True
     max_regions_per_client: int = 0
     max_registered_bytes_per_client: int = 0
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    keepalive_permit_without_calls: bool = True
+    keepalive_min_ping_interval_s: float = 10.0
+    keepalive_max_ping_strikes: int = 2
+    max_connection_idle_s: float = 0.0
+    max_connection_age_s: float = 0.0
+    max_connection_age_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.listen:
@@ -203,6 +252,31 @@ class ServiceConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0 (0: no limit), got {getattr(self, name)}")
+        for name in ("keepalive_time_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        for name in (
+            "keepalive_min_ping_interval_s",
+            "keepalive_max_ping_strikes",
+            "max_connection_idle_s",
+            "max_connection_age_s",
+            "max_connection_age_grace_s",
+        ):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected >= 0 (0: off), got {getattr(self, name)}")
+        for name in (
+            "keepalive_time_s",
+            "keepalive_timeout_s",
+            "keepalive_min_ping_interval_s",
+            "max_connection_idle_s",
+            "max_connection_age_s",
+            "max_connection_age_grace_s",
+        ):
+            if getattr(self, name) * 1000 > _GRPC_MAX_MILLISECONDS:
+                raise ValueError(
+                    f"{name}: expected at most {_GRPC_MAX_MILLISECONDS // 1000} s, "
+                    f"got {getattr(self, name)}"
+                )
 
     def kernel_environment(self) -> dict[str, str]:
         """The ``DDTREE_*`` variables ``ddtree.kernels.jit`` reads, as set by this config.
@@ -401,6 +475,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="registered bytes of one client identity, 0 for no per-client limit "
         "[env DDTREE_MAX_REGISTERED_BYTES_PER_CLIENT; default 0]",
     )
+    keepalive = parser.add_argument_group("connection keepalive")
+    keepalive.add_argument(
+        "--keepalive-time-s",
+        type=float,
+        metavar="S",
+        help="ping a connection idle this long "
+        f"[env DDTREE_KEEPALIVE_TIME_S; default {d.keepalive_time_s:g}]",
+    )
+    keepalive.add_argument(
+        "--keepalive-timeout-s",
+        type=float,
+        metavar="S",
+        help="close a connection whose ping is unanswered this long, cancelling its calls "
+        f"[env DDTREE_KEEPALIVE_TIMEOUT_S; default {d.keepalive_timeout_s:g}]",
+    )
+    keepalive.add_argument(
+        "--keepalive-permit-without-calls",
+        action=argparse.BooleanOptionalAction,
+        help="accept client keepalive pings on connections without calls "
+        "[env DDTREE_KEEPALIVE_PERMIT_WITHOUT_CALLS; default on]",
+    )
+    keepalive.add_argument(
+        "--keepalive-min-ping-interval-s",
+        type=float,
+        metavar="S",
+        help="client pings closer together than this (without data) are strikes "
+        f"[env DDTREE_KEEPALIVE_MIN_PING_INTERVAL_S; default {d.keepalive_min_ping_interval_s:g}]",
+    )
+    keepalive.add_argument(
+        "--keepalive-max-ping-strikes",
+        type=int,
+        metavar="N",
+        help="strikes before GOAWAY too_many_pings, 0 for unlimited "
+        f"[env DDTREE_KEEPALIVE_MAX_PING_STRIKES; default {d.keepalive_max_ping_strikes}]",
+    )
+    keepalive.add_argument(
+        "--max-connection-idle-s",
+        type=float,
+        metavar="S",
+        help="close connections without calls this long (GOAWAY), 0 for never "
+        "[env DDTREE_MAX_CONNECTION_IDLE_S; default 0]",
+    )
+    keepalive.add_argument(
+        "--max-connection-age-s",
+        type=float,
+        metavar="S",
+        help="close connections older than this (GOAWAY), 0 for never "
+        "[env DDTREE_MAX_CONNECTION_AGE_S; default 0]",
+    )
+    keepalive.add_argument(
+        "--max-connection-age-grace-s",
+        type=float,
+        metavar="S",
+        help="seconds calls get after --max-connection-age-s "
+        f"[env DDTREE_MAX_CONNECTION_AGE_GRACE_S; default {d.max_connection_age_grace_s:g}]",
+    )
     compute = parser.add_argument_group("compute")
     compute.add_argument(
         "--device",
@@ -458,6 +588,14 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "bind_regions_to_client": _env_bool,
     "max_regions_per_client": int,
     "max_registered_bytes_per_client": int,
+    "keepalive_time_s": float,
+    "keepalive_timeout_s": float,
+    "keepalive_permit_without_calls": _env_bool,
+    "keepalive_min_ping_interval_s": float,
+    "keepalive_max_ping_strikes": int,
+    "max_connection_idle_s": float,
+    "max_connection_age_s": float,
+    "max_connection_age_grace_s": float,
 }
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "ErrorMappingInterceptor",
     "Server",
     "create_server",
+    "keepalive_options",
     "memory_limits",
     "serve",
     "status_details",
@@ -355,6 +356,39 @@ def memory_limits(config: ServiceConfig) -> MemoryLimits:
     )
 
 
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
+def keepalive_options(config: ServiceConfig) -> list[tuple[str, int]]:
+    """The gRPC channel arguments of ``config``'s keepalive and connection-lifetime settings.
+
+    The server pings every connection idle for ``keepalive_time_s`` and closes it (cancelling
+    its calls) when a ping goes unanswered for ``keepalive_timeout_s``, with no cap on pings
+    without data (``grpc.http2.max_pings_without_data`` 0), so a peer that vanished without
+    closing its connection is found while its connection stays idle. Client pings are
+    policed by ``keepalive_min_ping_interval_s`` and ``keepalive_max_ping_strikes``.
+    """
+    options = [
+        ("grpc.keepalive_time_ms", _ms(config.keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", _ms(config.keepalive_timeout_s)),
+        # In current gRPC core (grpc/grpc#34647) the wait for a ping's ack is
+        # grpc.http2.ping_timeout_ms (60 s by default), which overrides keepalive_timeout_ms: a
+        # silent peer is dropped after keepalive_timeout_s only with both set.
+        ("grpc.http2.ping_timeout_ms", _ms(config.keepalive_timeout_s)),
+        ("grpc.keepalive_permit_without_calls", int(config.keepalive_permit_without_calls)),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", _ms(config.keepalive_min_ping_interval_s)),
+        ("grpc.http2.max_ping_strikes", config.keepalive_max_ping_strikes),
+    ]
+    if config.max_connection_idle_s > 0:
+        options.append(("grpc.max_connection_idle_ms", _ms(config.max_connection_idle_s)))
+    if config.max_connection_age_s > 0:
+        options.append(("grpc.max_connection_age_ms", _ms(config.max_connection_age_s)))
+        options.append(("grpc.max_connection_age_grace_ms", _ms(config.max_connection_age_grace_s)))
+    return options
+
+
 def create_server(
     config: ServiceConfig,
     *,
@@ -419,6 +453,7 @@ def create_server(
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            *keepalive_options(config),
         ],
     )
     resolver = TensorResolver(engine.limits, engine.memory)
