@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
+import torch
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,6 +48,7 @@ __all__ = [
     "ErrorMappingInterceptor",
     "Server",
     "create_server",
+    "device_failure",
     "keepalive_options",
     "memory_limits",
     "serve",
@@ -278,10 +280,49 @@ class Server:
         self.failed = asyncio.Event()
         """Set when the engine's device failed; ``serve`` then drains and exits non-zero."""
         self._stopped = False
+        self._probe: asyncio.Task[None] | None = None
+        self._probe_again = False
 
     async def check_engine(self) -> None:
-        """After a failed call: if the device is poisoned, report NOT_SERVING and set ``failed``."""
-        if self.engine.is_poisoned and not self.failed.is_set():
+        """After a failed call: if the device is poisoned, report NOT_SERVING and set ``failed``.
+
+        The engine marks itself poisoned when torch raises a device error in an op. A sticky
+        CUDA error can also first surface elsewhere (a kernel launch through cuda-python, an
+        IPC mapping, a copy in the servicer), so every failed call also starts a probe of the
+        device context in the background (``device_failure``; nothing to probe on the CPU), one
+        at a time; the failed call's answer does not wait for it.
+        """
+        if self.failed.is_set():
+            return
+        if self.engine.is_poisoned:
+            await self._fail()
+            return
+        if self._probe is not None:
+            self._probe_again = True  # the error may have come after the running probe synced
+            return
+        self._probe = asyncio.create_task(self._probe_device())
+
+    async def _probe_device(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._probe_again = False
+                error = await loop.run_in_executor(None, device_failure, self.engine.device)
+                if error is not None:
+                    _log.error(
+                        "event=device_failed device=%s source=probe error=%s",
+                        self.engine.device,
+                        error,
+                    )
+                    await self._fail()
+                    return
+                if not self._probe_again:
+                    return
+        finally:
+            self._probe = None
+
+    async def _fail(self) -> None:
+        if not self.failed.is_set():
             self.failed.set()
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -336,12 +377,36 @@ class Server:
                 await asyncio.sleep(0.01)
             grace = min(_FINAL_GRACE_S, max(0.0, deadline - loop.time()))
         await self.grpc_server.stop(grace)
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        except Exception:  # a failed device may refuse its cleanup; the process exits anyway
+            _log.exception("event=engine_close_failed")
         _log.info("event=stopped")
 
     async def wait_for_termination(self) -> None:
         """Wait until the gRPC server has stopped."""
         await self.grpc_server.wait_for_termination()
+
+
+def device_failure(device: torch.device) -> str | None:
+    """The sticky CUDA error of ``device``'s context, or ``None`` (always ``None`` on the CPU).
+
+    Synchronises the device twice: an error of an earlier asynchronous launch that is not
+    sticky is reported once and cleared, while a sticky one (illegal address, trap, ...) leaves
+    the context unusable and is reported by every call, so only an error of both counts.
+    Blocks until the device's queued work is done.
+    """
+    if device.type != "cuda":
+        return None
+    errors = []
+    for _ in range(2):
+        try:
+            torch.cuda.synchronize(device)
+        except RuntimeError as err:  # torch.AcceleratorError
+            errors.append(str(err))
+        else:
+            return None
+    return errors[-1]
 
 
 def memory_limits(config: ServiceConfig) -> MemoryLimits:
