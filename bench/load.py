@@ -3,17 +3,20 @@
 Each client loops BuildTree -> AcceptTree (with a KV commit) -> VerifyAttention over small
 inputs for ``--duration-s`` seconds (after ``--warm-up-s`` seconds that are not counted), with
 tensors inline; on a GPU server with registered memory, every other client sends them by
-reference (``tensor_transport="ipc"``). The driver reports calls per second, latency percentiles
-per method, the error count (must be 0), and the server process's resident memory, threads and
-file descriptors at the start and end of the measured window (and GPU memory on a GPU), and the
-regions the clients have registered (by reference only) at both ends.
+reference (``tensor_transport="ipc"``: real CUDA IPC, the server maps the clients' memory). The
+driver reports calls per second, latency percentiles per method (and per transport), the error
+count (must be 0), and, at the start and end of the measured window, the server process's
+resident memory, threads and file descriptors, its GPU memory on a GPU, and the regions
+registered: as the clients list them and as the server's Prometheus gauges count them.
 
 Usage::
 
     python bench/load.py                       # 16 clients, 60 s, JSON to bench/results/
     python bench/load.py --duration-s 5 --clients 4 --out /tmp/load.json
 
-Exit status: 0 when no call failed and memory stayed within ``--max-rss-growth``, else 1.
+Exit status: 0 when every check of ``checks`` passed (no call failed, resident and GPU memory
+within ``--max-rss-growth``, threads, descriptors and registered regions not grown, exit 0 after
+SIGTERM), else 1.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,36 +73,65 @@ def sample_process(pid: int) -> ProcessSample:
     return ProcessSample(rss_kib * 1024, threads, fds)
 
 
-def gpu_memory_used_bytes(pid: int) -> int | None:
-    """GPU memory the server process holds (``nvidia-smi``), or ``None`` without a GPU."""
+def _nvidia_smi(*query: str) -> list[list[str]]:
+    """Rows of an ``nvidia-smi`` CSV query; empty without a GPU or the tool."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             check=True,
             timeout=30,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
-    for line in out.splitlines():
-        fields = [f.strip() for f in line.split(",")]
+        return []
+    return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def gpu_memory_used_bytes(pid: int) -> int | None:
+    """GPU memory the server process holds (``nvidia-smi``), or ``None`` when not listed
+    (no GPU, or a container whose process ids ``nvidia-smi`` does not see)."""
+    for fields in _nvidia_smi("--query-compute-apps=pid,used_memory"):
         if len(fields) == 2 and fields[0] == str(pid):
             return int(fields[1]) << 20
     return None
 
 
+def gpu_device_memory_used_bytes() -> int | None:
+    """Memory in use on GPU 0 by every process (the server and this driver's IPC clients)."""
+    rows = _nvidia_smi("--query-gpu=memory.used")
+    return int(rows[0][0]) << 20 if rows and rows[0][0].isdigit() else None
+
+
+def server_gauges(metrics_address: str | None) -> dict[str, float]:
+    """``ddtree_registered_regions`` / ``ddtree_registered_bytes`` summed over devices, from the
+    server's Prometheus endpoint (``{}`` without one)."""
+    if metrics_address is None:
+        return {}
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals = {"ddtree_registered_regions": 0.0, "ddtree_registered_bytes": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 @dataclass
 class Tally:
-    """Latencies (seconds) per method and failures, shared by the client threads."""
+    """Latencies (seconds) per method and per transport, and failures, shared by the client
+    threads."""
 
     latencies: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in METHODS})
+    by_transport: dict[str, list[float]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, method: str, seconds: float) -> None:
+    def add(self, method: str, seconds: float, transport: str = "inline") -> None:
         with self.lock:
             self.latencies[method].append(seconds)
+            self.by_transport.setdefault(f"{method} {transport}", []).append(seconds)
 
     def fail(self, method: str, err: Exception) -> None:
         with self.lock:
@@ -132,6 +165,7 @@ def client_loop(
     tally: Tally,
     counting: threading.Event,
     stop: threading.Event,
+    transport: str = "inline",
 ) -> None:
     """Run steps until ``stop``; record latencies once ``counting`` is set."""
 
@@ -143,7 +177,7 @@ def client_loop(
             tally.fail(method, err)
             return None
         if counting.is_set():
-            tally.add(method, time.perf_counter() - started)
+            tally.add(method, time.perf_counter() - started, transport)
         return result
 
     while not stop.is_set():
@@ -194,9 +228,11 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_server(device: str, extra: Sequence[str]) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``ddtree serve`` on a free loopback port; returns the process and its address."""
+def start_server(device: str, extra: Sequence[str]) -> tuple[subprocess.Popen[bytes], str, str]:
+    """Start ``ddtree serve`` on a free loopback port with metrics on another; returns the
+    process, its address and its metrics address."""
     address = f"127.0.0.1:{_free_port()}"
+    metrics_port = _free_port()
     process = subprocess.Popen(
         [
             sys.executable,
@@ -209,10 +245,12 @@ def start_server(device: str, extra: Sequence[str]) -> tuple[subprocess.Popen[by
             device,
             "--log-level",
             "WARNING",
+            "--metrics-port",
+            str(metrics_port),
             *extra,
         ],
     )
-    return process, address
+    return process, address, f"127.0.0.1:{metrics_port}"
 
 
 def wait_serving(address: str, timeout_s: float) -> None:
@@ -246,6 +284,9 @@ def hardware() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
+    driver = _nvidia_smi("--query-gpu=driver_version")
+    if driver:
+        info["gpu_driver"] = driver[0][0]
     return info
 
 
@@ -260,9 +301,9 @@ def host_label() -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Drive the load and return the report (see the module docstring)."""
     process: subprocess.Popen[bytes] | None = None
-    address = args.address
+    address, metrics_address = args.address, None
     if address is None:
-        process, address = start_server(args.device, args.server_arg)
+        process, address, metrics_address = start_server(args.device, args.server_arg)
     try:
         wait_serving(address, args.start_timeout_s)
         with Client(address) as probe:
@@ -282,6 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             threading.Thread(
                 target=client_loop,
                 args=(client, make_inputs(index, devices[index]), tally, counting, stop),
+                kwargs={"transport": "ipc" if devices[index].type == "cuda" else "inline"},
                 name=f"load-client-{index}",
             )
             for index, client in enumerate(clients)
@@ -291,6 +333,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(args.warm_up_s)
         start = sample_process(process.pid) if process is not None else None
         gpu_start = gpu_memory_used_bytes(process.pid) if process is not None else None
+        device_gpu_start = gpu_device_memory_used_bytes()
+        gauges_start = server_gauges(metrics_address)
         load_start = os.getloadavg()[0]
         regions_start = sum(len(client.list_memory()) for client in clients)
         counting.set()
@@ -303,9 +347,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         counting.clear()
         elapsed = time.perf_counter() - began
         load_end = os.getloadavg()[0]
-        regions_end = sum(len(client.list_memory()) for client in clients)
+        # The process first: a metrics scrape briefly holds a thread and a socket there.
         end = sample_process(process.pid) if process is not None else None
+        regions_end = sum(len(client.list_memory()) for client in clients)
+        gauges_end = server_gauges(metrics_address)
         gpu_end = gpu_memory_used_bytes(process.pid) if process is not None else None
+        device_gpu_end = gpu_device_memory_used_bytes()
         stop.set()
         for thread in threads:
             thread.join(timeout=60)
@@ -345,7 +392,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "calls_per_s": round(sum(calls.values()) / elapsed, 1),
         "latency": {"all": percentiles_ms(everything)}
         | {m: {"calls": calls[m], **percentiles_ms(v)} for m, v in tally.latencies.items()},
+        "latency_by_transport": {
+            key: {"calls": len(v), **percentiles_ms(v)}
+            for key, v in sorted(tally.by_transport.items())
+        },
         "registered_regions": [regions_start, regions_end],
+        "server_registered_regions": [
+            gauges_start.get("ddtree_registered_regions"),
+            gauges_end.get("ddtree_registered_regions"),
+        ],
+        "server_registered_bytes": [
+            gauges_start.get("ddtree_registered_bytes"),
+            gauges_end.get("ddtree_registered_bytes"),
+        ],
         "errors": len(tally.errors),
         "first_errors": tally.errors[:10],
     }
@@ -362,6 +421,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "fds_end": end.fds,
             "gpu_memory_start_bytes": gpu_start,
             "gpu_memory_end_bytes": gpu_end,
+            "gpu_device_memory_used_start_bytes": device_gpu_start,
+            "gpu_device_memory_used_end_bytes": device_gpu_end,
             "exit_code_after_sigterm": exit_code,
         }
     return report
@@ -383,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     report = run(args)
+    report["checks"] = checks(report, args.max_rss_growth)
     out = args.out or RESULTS / f"{datetime.date.today():%Y-%m-%d}-{host_label()}-load.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -396,9 +458,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["errors"],
         out,
     )
+    failed = sorted(name for name, passed in report["checks"].items() if passed is False)
+    if failed:
+        _log.error("failed checks: %s", ", ".join(failed))
+    return 1 if failed else 0
+
+
+def checks(report: dict[str, Any], max_growth: float) -> dict[str, bool | None]:
+    """Pass/fail of each property the load must hold (``None``: not measured here).
+
+    No call failed; the server's resident and GPU memory grew by at most ``max_growth``; its
+    threads, file descriptors and registered regions (both counts) did not grow.
+    """
     server = report.get("server", {})
-    grew = server.get("rss_growth_fraction", 0.0) > args.max_rss_growth
-    return 1 if report["errors"] or grew else 0
+
+    def flat(start: float | None, end: float | None, growth: float = 0.0) -> bool | None:
+        if start is None or end is None:
+            return None
+        return end <= start * (1 + growth)
+
+    return {
+        "no_errors": report["errors"] == 0,
+        "rss_flat": flat(server.get("rss_start_bytes"), server.get("rss_end_bytes"), max_growth),
+        "gpu_memory_flat": flat(
+            server.get("gpu_memory_start_bytes"), server.get("gpu_memory_end_bytes"), max_growth
+        ),
+        "gpu_device_memory_flat": flat(
+            server.get("gpu_device_memory_used_start_bytes"),
+            server.get("gpu_device_memory_used_end_bytes"),
+            max_growth,
+        ),
+        "threads_flat": flat(server.get("threads_start"), server.get("threads_end")),
+        "fds_flat": flat(server.get("fds_start"), server.get("fds_end")),
+        "client_regions_flat": flat(*report["registered_regions"]),
+        "server_regions_flat": flat(*report["server_registered_regions"]),
+        "clean_exit": server.get("exit_code_after_sigterm", 0) == 0 if server else None,
+    }
 
 
 if __name__ == "__main__":

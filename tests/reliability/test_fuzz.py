@@ -11,6 +11,12 @@ to the reference's. Every call has a deadline (no hang) and after each test the 
 requests are answered byte-identically to the first time (the server is unharmed).
 
 Cases per run: see ``EXAMPLES``; ``test_cases_total`` checks that they add up to >= 10,000.
+
+``test_fuzz_gpu.py`` runs these same tests against ``ddtree serve`` on a GPU (CUDA kernels, real
+CUDA IPC for references) by loading a second copy of this module with ``SERVER_DEVICE =
+"cuda"``: there references are supported, the CUDA kernels' documented limits (head and value
+widths, KV row bytes) are expected where the reference would accept, and answers are compared
+with the reference's within floating-point tolerances (``compare_responses``).
 """
 
 from __future__ import annotations
@@ -54,6 +60,14 @@ EXAMPLES = {
     "output_references": 300,
 }
 """Hypothesis examples per test (each is one RPC, plus a reference-op run for value changes)."""
+
+SERVER_DEVICE = "cpu"
+"""Device of the server under test; ``test_fuzz_gpu.py`` sets ``"cuda"`` in its copy."""
+CUDA_LIMITS = (
+    "the CUDA verify_attention supports",
+    "head_dim * element size must be a multiple of 16 bytes",
+)
+"""Messages of the CUDA kernels' documented shape limits (``ValueError`` naming the tensor)."""
 
 CALL_TIMEOUT_S = 10.0
 MAX_TENSOR_BYTES = 1 << 16
@@ -134,6 +148,8 @@ class Expect:
     field: str | None = None
     response: bytes | None = None
     ok_allowed: bool = False
+    cuda_limit: str | None = None
+    """For a CUDA server: the answer is INVALID_ARGUMENT with this text of a kernel limit."""
 
 
 def error(reason: str, field: str | None, code: str = "INVALID_ARGUMENT") -> Expect:
@@ -148,6 +164,18 @@ def any_argument_error(rpc: str, *, ok_allowed: bool = False) -> Expect:
     return Expect("INVALID_ARGUMENT", frozenset(_ARGUMENT_REASONS), None, ok_allowed=ok_allowed)
 
 
+def cuda_limit_error(text: str) -> Expect:
+    return Expect("INVALID_ARGUMENT", frozenset({"INVALID_ARGUMENT"}), cuda_limit=text)
+
+
+def _is_cuda_limit(got: Any) -> bool:
+    return (
+        SERVER_DEVICE == "cuda"
+        and (got.code, got.reason) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT")
+        and any(text in got.message for text in CUDA_LIMITS)
+    )
+
+
 def check(method: Callable[..., Any], request: Any, expect: Expect, rpc: str) -> None:
     """Send ``request``; its answer must be ``expect``."""
     try:
@@ -157,6 +185,17 @@ def check(method: Callable[..., Any], request: Any, expect: Expect, rpc: str) ->
         context = f"{rpc}: expected {expect}, got {got.code} {got.reason} {got.message!r}"
         if expect.code == "OK" or (expect.ok_allowed and got.code == "OK"):
             raise AssertionError(context) from None
+        if expect.cuda_limit is not None or (
+            expect.field is None and "INVALID_ARGUMENT" in expect.reasons and _is_cuda_limit(got)
+        ):
+            # A CUDA kernel's shape limit: the engine's message names the tensor and the limit
+            # (no BadRequest field). Exact where the oracle knows the limit applies.
+            assert _is_cuda_limit(got), context
+            assert expect.cuda_limit is None or expect.cuda_limit in got.message, context
+            assert got.message.startswith(rpc), context
+            outcomes[f"{rpc} {got.code} {got.reason} (CUDA kernel limit)"] += 1
+            return
+        assert expect.cuda_limit is None, context
         assert got.code == expect.code, context
         assert got.reason in expect.reasons, context
         assert got.request_id, context  # every error names its request in the server log
@@ -170,8 +209,63 @@ def check(method: Callable[..., Any], request: Any, expect: Expect, rpc: str) ->
         return
     assert expect.code == "OK" or expect.ok_allowed, f"{rpc}: expected {expect}, got OK"
     if expect.response is not None:
-        assert response.SerializeToString() == expect.response, f"{rpc}: response differs"
+        if SERVER_DEVICE == "cpu":
+            assert response.SerializeToString() == expect.response, f"{rpc}: response differs"
+        else:
+            compare_responses(rpc, type(response).FromString(expect.response), response)
     outcomes[f"{rpc} OK"] += 1
+
+
+# ---------------------------------------------------------------------------- GPU answers
+
+numeric_mismatches: list[str] = []
+"""CUDA answers outside the tolerances of ``compare_responses`` (asserted empty at the end)."""
+
+_TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),  # log_probs, lse: fp32 in both, summation order differs
+    torch.bfloat16: (2e-2, 5e-2),  # attention output: bf16 rounding of an fp32 accumulation
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def compare_responses(rpc: str, expected: Any, got: Any, path: str = "") -> None:
+    """Compare two responses field by field: integers and shapes exactly, floats within
+    ``_TOLERANCES`` with NaN and infinities in the same places. Mismatches are recorded in
+    ``numeric_mismatches`` (so one run reports all of them) rather than raised."""
+    name = path or rpc
+    if isinstance(expected, tensor_pb2.Tensor):
+        if expected.dtype != got.dtype or list(expected.shape) != list(got.shape):
+            numeric_mismatches.append(f"{name}: dtype/shape {got.dtype}{list(got.shape)}")
+            return
+        want, have = decode(expected), decode(got)
+        if want.dtype not in _TOLERANCES:
+            if not torch.equal(want, have):
+                bad = torch.nonzero(want != have)[:3].tolist()
+                numeric_mismatches.append(f"{name}: differs at {bad}")
+            return
+        atol, rtol = _TOLERANCES[want.dtype]
+        want, have = want.float(), have.float()
+        if not torch.equal(want.isnan(), have.isnan()) or not torch.equal(
+            want.isinf() & (want > 0), have.isinf() & (have > 0)
+        ):
+            numeric_mismatches.append(f"{name}: NaN/inf pattern differs")
+            return
+        finite = want.isfinite()
+        error = (want[finite] - have[finite]).abs() - (atol + rtol * want[finite].abs())
+        if error.numel() and float(error.max()) > 0:
+            numeric_mismatches.append(f"{name}: off by {float(error.max()):.3g} past tolerance")
+        return
+    for descriptor in expected.DESCRIPTOR.fields:
+        label = f"{name}.{descriptor.name}"
+        if descriptor.message_type is not None:
+            if expected.HasField(descriptor.name) != got.HasField(descriptor.name):
+                numeric_mismatches.append(f"{label}: set in one answer only")
+            elif expected.HasField(descriptor.name):
+                compare_responses(
+                    rpc, getattr(expected, descriptor.name), getattr(got, descriptor.name), label
+                )
+        elif getattr(expected, descriptor.name) != getattr(got, descriptor.name):
+            numeric_mismatches.append(f"{label}: {getattr(got, descriptor.name)!r}")
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -304,6 +398,8 @@ def oracle_accept(request: pb.AcceptTreeRequest) -> Expect:
             )
         except ValueError:
             return any_argument_error("accept_tree")
+        if SERVER_DEVICE == "cuda" and cache.shape[-1] * cache.element_size() % 16:
+            return cuda_limit_error(CUDA_LIMITS[1])
         failure = flag_error("commit_kv", flags, "accept_tree")
         if failure is not None:
             return failure
@@ -328,6 +424,11 @@ def oracle_verify(request: pb.VerifyAttentionRequest) -> Expect:
         )
     except ValueError:
         return any_argument_error("verify_attention")
+    if SERVER_DEVICE == "cuda":
+        head_dim = request.q.shape[-1]
+        v_dim = request.v_dim if request.HasField("v_dim") else 512
+        if head_dim % 64 or v_dim % 64 or not 64 <= v_dim <= min(head_dim, 512):
+            return cuda_limit_error(CUDA_LIMITS[0])
     failure = flag_error("verify_attention", flags, "verify_attention")
     if failure is not None:
         return failure
@@ -402,6 +503,12 @@ def tensor_change(draw: st.DrawFn, slots: tuple[Slot, ...], refs: bool = False) 
         return slot, ("unset",), lambda m: error("MISSING_FIELD", slot.oneof or field)
     token = draw(st.text(max_size=200))
     offset = draw(st.one_of(st.integers(0, 4096), st.integers(0, 2**64 - 1)))
+    if SERVER_DEVICE == "cuda":  # references are served; no region has this token
+        return (
+            slot,
+            ("ref", token, offset),
+            lambda m: error("MEMORY_TOKEN_NOT_FOUND", f"{field}.ref.region_token", "NOT_FOUND"),
+        )
     return (
         slot,
         ("ref", token, offset),
@@ -572,6 +679,11 @@ def served_refs(host_mapper: HostMapper) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def inputs(served: Served) -> Inputs:
+    return golden_inputs(served)
+
+
+def golden_inputs(served: Served) -> Inputs:
+    """``make_inputs()`` with the server's first answers, checked against the reference."""
     made = make_inputs()
     made.golden["build"] = served.stub.BuildTree(
         made.build, timeout=CALL_TIMEOUT_S
@@ -582,15 +694,28 @@ def inputs(served: Served) -> Inputs:
     made.golden["verify"] = served.stub.VerifyAttention(
         made.verify, timeout=CALL_TIMEOUT_S
     ).SerializeToString()
-    # The golden answers are the reference's.
-    assert oracle_build(made.build).response == made.golden["build"]
-    assert oracle_accept(made.accept).response == made.golden["accept"]
-    assert oracle_verify(made.verify).response == made.golden["verify"]
+    # The golden answers are the reference's (within tolerances from CUDA kernels).
+    for name, oracle, request, response_type in (
+        ("build_tree", oracle_build, made.build, pb.BuildTreeResponse),
+        ("accept_tree", oracle_accept, made.accept, pb.AcceptTreeResponse),
+        ("verify_attention", oracle_verify, made.verify, pb.VerifyAttentionResponse),
+    ):
+        golden = made.golden[name.split("_")[0]]
+        expected = oracle(request).response
+        assert expected is not None, name
+        if SERVER_DEVICE == "cpu":
+            assert expected == golden, name
+        else:
+            before = len(numeric_mismatches)
+            compare_responses(
+                name, response_type.FromString(expected), response_type.FromString(golden)
+            )
+            assert len(numeric_mismatches) == before, numeric_mismatches[before:]
     return made
 
 
 def assert_unharmed(served: Served, inputs: Inputs) -> None:
-    """The untouched requests are answered exactly as the first time."""
+    """The untouched requests are answered exactly as the first time (byte for byte)."""
     stub = served.stub
     assert (
         stub.BuildTree(inputs.build, timeout=CALL_TIMEOUT_S).SerializeToString()
@@ -600,10 +725,8 @@ def assert_unharmed(served: Served, inputs: Inputs) -> None:
         stub.AcceptTree(inputs.accept, timeout=CALL_TIMEOUT_S).SerializeToString()
         == inputs.golden["accept"]
     )
-    assert (
-        stub.VerifyAttention(inputs.verify, timeout=CALL_TIMEOUT_S).SerializeToString()
-        == inputs.golden["verify"]
-    )
+    verify = stub.VerifyAttention(inputs.verify, timeout=CALL_TIMEOUT_S).SerializeToString()
+    assert verify == inputs.golden["verify"]
 
 
 def _count(name: str) -> None:
@@ -711,10 +834,14 @@ def build_expectation(request: pb.BuildTreeRequest, kind: str, change: Any) -> E
         return oracle_build(request)
     if change == "event":
         request.wait_event_ipc_handle = b"\x01" * 64
+        if SERVER_DEVICE == "cuda":  # not an event any process exported: the driver refuses it
+            return error("IPC_OPEN_FAILED", None, "FAILED_PRECONDITION")
         return error(
             "EVENT_HANDLES_UNSUPPORTED", "build_tree.wait_event_ipc_handle", "FAILED_PRECONDITION"
         )
     request.outputs.tokens.region_token = "x"
+    if SERVER_DEVICE == "cuda":
+        return error("MEMORY_TOKEN_NOT_FOUND", None, "NOT_FOUND")
     return error("MEMORY_REFERENCES_UNSUPPORTED", "build_tree.outputs", "FAILED_PRECONDITION")
 
 
@@ -899,13 +1026,24 @@ def test_verify_attention_fuzz(served: Served, inputs: Inputs) -> None:
 # ---------------------------------------------------------------------------- memory RPCs
 
 
+SERVER_UUID = ""
+"""UUID of the GPU server's device (``test_fuzz_gpu.py``), so registrations reach the driver."""
+MAX_REGISTERED_BYTES = 1 << 40
+"""The server's ``max_registered_bytes`` (the default)."""
+
+
 @st.composite
 def memory_case(draw: st.DrawFn) -> tuple[str, Any]:
     kind = draw(st.sampled_from(["register", "unregister", "list", "info"]))
     if kind == "register":
+        uuids = st.text(max_size=60)
+        handles = st.binary(max_size=100)
+        if SERVER_UUID:
+            uuids = st.one_of(uuids, st.just(SERVER_UUID), st.just(SERVER_UUID))
+            handles = st.one_of(handles, st.binary(min_size=64, max_size=64))
         return kind, pb.RegisterMemoryRequest(
-            ipc_handle=draw(st.binary(max_size=100)),
-            device_uuid=draw(st.text(max_size=60)),
+            ipc_handle=draw(handles),
+            device_uuid=draw(uuids),
             byte_size=draw(st.one_of(st.integers(0, 4096), st.integers(0, 2**64 - 1))),
             client_id=draw(_MODEL),
         )
@@ -916,8 +1054,25 @@ def memory_case(draw: st.DrawFn) -> tuple[str, Any]:
     return kind, pb.GetServerInfoRequest()
 
 
+def register_expectation(request: pb.RegisterMemoryRequest) -> Expect:
+    """A GPU server's answer to a registration of random bytes (never a real handle)."""
+    if len(request.ipc_handle) != 64:
+        return error("INVALID_IPC_HANDLE", "register_memory.ipc_handle")
+    if not _MODEL_RE.match(request.client_id):
+        return error("INVALID_ARGUMENT", "register_memory.client_id")
+    if request.device_uuid != SERVER_UUID:
+        return error("DEVICE_MISMATCH", "register_memory.device_uuid", "FAILED_PRECONDITION")
+    if request.byte_size < 1:
+        return error("INVALID_IPC_HANDLE", "register_memory.byte_size")
+    if request.byte_size > MAX_REGISTERED_BYTES:
+        return error("MEMORY_LIMIT_EXCEEDED", None, "RESOURCE_EXHAUSTED")
+    return error("IPC_OPEN_FAILED", None, "FAILED_PRECONDITION")
+
+
 def test_memory_rpcs_fuzz(served: Served, inputs: Inputs) -> None:
-    """On a server without registered memory: registration refused, no token known."""
+    """No region registered yet: random registrations refused (a CPU server has no registered
+    memory at all; a GPU server's driver refuses handles no process exported), no token known,
+    no region listed."""
     stub = served.stub
 
     @settings(FUZZ, max_examples=examples("memory_rpcs"))
@@ -925,11 +1080,17 @@ def test_memory_rpcs_fuzz(served: Served, inputs: Inputs) -> None:
     def run(case: tuple[str, Any]) -> None:
         kind, request = case
         if kind == "register":
-            expect = error("MEMORY_REGISTRATION_UNSUPPORTED", None, "FAILED_PRECONDITION")
+            if SERVER_DEVICE == "cuda":
+                expect = register_expectation(request)
+            else:
+                expect = error("MEMORY_REGISTRATION_UNSUPPORTED", None, "FAILED_PRECONDITION")
             check(stub.RegisterMemory, request, expect, "register_memory")
         elif kind == "unregister":
             expect = error("MEMORY_TOKEN_NOT_FOUND", "unregister_memory.region_token", "NOT_FOUND")
             check(stub.UnregisterMemory, request, expect, "unregister_memory")
+        elif kind == "list" and SERVER_DEVICE == "cuda" and not _MODEL_RE.match(request.client_id):
+            expect = error("INVALID_ARGUMENT", "list_memory.client_id")
+            check(stub.ListMemory, request, expect, "list_memory")
         elif kind == "list":
             assert not stub.ListMemory(request, timeout=CALL_TIMEOUT_S).regions
             outcomes["list_memory OK"] += 1
@@ -1073,6 +1234,8 @@ def test_output_references_written_only_on_success(
     )
     def run(kind: str, base: int, before: bytes) -> None:
         buffer.copy_(torch.frombuffer(bytearray(before), dtype=torch.uint8))
+        if buffer.is_cuda:  # the server reads the region from another process
+            torch.cuda.synchronize(buffer.device)
         request = pb.BuildTreeRequest()
         request.CopyFrom(inputs.build)
         places = {}
@@ -1097,12 +1260,12 @@ def test_output_references_written_only_on_success(
         if kind.startswith("bad"):
             assert oracle.code == "INVALID_ARGUMENT"
             check(stub.BuildTree, request, oracle, "build_tree")
-            assert bytes(buffer.numpy()) == before  # not one byte written
+            assert bytes(buffer.cpu().numpy()) == before  # not one byte written
         else:
             response = stub.BuildTree(request, timeout=CALL_TIMEOUT_S)
             assert response.tree.tokens.ref.region_token == token
             expected = pb.BuildTreeResponse.FromString(oracle.response or b"").tree
-            after = bytearray(buffer.numpy())
+            after = bytearray(buffer.cpu().numpy())
             for name, (start, size) in places.items():
                 assert bytes(after[start : start + size]) == getattr(expected, name).inline, name
                 after[start : start + size] = before[start : start + size]
@@ -1235,7 +1398,9 @@ def test_cases_total() -> None:
         assert sum(cases_run.values()) >= 10_000
     report = os.environ.get("DDTREE_FUZZ_REPORT")
     if report:
-        summary = {"cases": cases_run, "total": sum(cases_run.values())}
+        summary: dict[str, Any] = {"cases": cases_run, "total": sum(cases_run.values())}
+        summary["server_device"] = SERVER_DEVICE
         summary["outcomes"] = dict(sorted(outcomes.items()))
+        summary["numeric_mismatches"] = numeric_mismatches[:50]
         with open(report, "w") as handle:
             json.dump(summary, handle, indent=2)

@@ -33,6 +33,8 @@ def test_short_load_holds_without_errors(tmp_path: Path) -> None:
     assert report["calls"] > 0
     start, end = report["registered_regions"]
     assert end == start  # inline here: both 0; by reference the clients keep their regions
+    assert report["server_registered_regions"] == [0, 0]  # from the server's metrics
+    assert all(passed is not False for passed in report["checks"].values()), report["checks"]
     for method in ("BuildTree", "AcceptTree", "VerifyAttention"):
         latency = report["latency"][method]
         assert latency["calls"] > 0
