@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import logging
 import sys
 import threading
 import time
@@ -38,7 +37,6 @@ extern "C" __global__ void ddtree_test_fault(int mode, int* target) {
 }
 """
 _MODES = {"trap": 0, "null-write": 1}
-_log = logging.getLogger("ddtree.tests.sticky")
 
 
 def inject(fault: str, device: torch.device) -> str:
@@ -47,13 +45,16 @@ def inject(fault: str, device: torch.device) -> str:
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch = jit.device_arch(index)
-    # jit's compile step (NVRTC via cuda.core) with this test-only source.
+    # jit's steps, as for the service's kernels: the primary context current in this thread,
+    # NVRTC through cuda.core (here with this test-only source), launch on a torch stream.
+    jit._make_current(index)
     cubin = jit._compile(_FAULT_SOURCE, (), arch, "ddtree_test_fault.cu", "sticky-test")
     kernel = ObjectCode.from_cubin(cubin, name="ddtree_test_fault.cu").get_kernel(
         "ddtree_test_fault"
     )
     params = jit.LaunchParams(grid=(1, 1, 1), block=(1, 1, 1))
-    jit.launch(kernel, params, ctypes.c_int32(_MODES[fault]), 0, device=index)
+    with torch.cuda.device(index), torch.cuda.stream(torch.cuda.Stream(index)):
+        jit.launch(kernel, params, ctypes.c_int32(_MODES[fault]), 0, device=index)
     try:
         torch.cuda.synchronize(index)
     except RuntimeError as err:
@@ -64,7 +65,10 @@ def inject(fault: str, device: torch.device) -> str:
 def _wait_and_inject(trigger: Path, fault: str, device: torch.device) -> None:
     while not trigger.exists():
         time.sleep(0.02)
-    error = inject(fault, device)
+    try:
+        error = inject(fault, device)
+    except Exception as err:  # reported to the test, which fails on it
+        error = f"no error: the injection itself failed: {err!r}"
     sys.stderr.write(f"event=fault_injected fault={fault} error={error}\n")
     sys.stderr.flush()
 
