@@ -15,7 +15,7 @@ log="$OUT/reliability.log"
 {
     echo "# $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)," \
         "$(python3 -c 'import torch, grpc, hypothesis; print(f"torch {torch.__version__}, grpcio {grpc.__version__}, hypothesis {hypothesis.__version__}")')," \
-        "$(nproc) CPUs, $(date -u +%FT%TZ)"
+        "$(nproc) CPUs, $(date -u +%FT%TZ), commit ${DDTREE_COMMIT:-unknown}"
     echo "## fuzz: python3 -m pytest tests/reliability/test_fuzz_gpu.py"
     start=$SECONDS
     DDTREE_FUZZ_REPORT="$OUT/fuzz.json" timeout 220 python3 -m pytest -v -p no:cacheprovider \
