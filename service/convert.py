@@ -167,7 +167,7 @@ class TensorResolver:
             raise InvalidTensor(
                 f"{field}.shape: expected extents >= 0, got {list(shape)}", field=f"{field}.shape"
             )
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         byte_size = math.prod(shape) * itemsize
         if byte_size > self.limits.max_tensor_bytes:
             raise TensorTooLarge(
@@ -211,7 +211,7 @@ class TensorResolver:
                     field=f"{field}.ref",
                 )
             raise RuntimeError("TensorResolver.resolve_ref: use a per-call resolver (for_call)")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         byte_size = math.prod(shape) * itemsize
         if byte_size > self.limits.max_tensor_bytes:
             raise TensorTooLarge(

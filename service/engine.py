@@ -1,10 +1,13 @@
 """The engine: owns the device, runs the ops of ``ddtree.kernels`` and turns bad data into errors.
 
-No gRPC here. Every op runs on one dedicated worker thread per device, so blocking device waits
+No gRPC here. Ops run on one dedicated worker thread per device, so blocking device waits
 (the error-flag check, device-to-host copies of results) never block the caller's event loop;
 the typed methods return ``concurrent.futures.Future`` objects (``.result()`` for synchronous
 callers, ``asyncio.wrap_future`` for asynchronous ones). Cancelling a future before its work
-started drops the work.
+started drops the work. A caller may ask for an op to run on its own thread instead
+(``inline=True``): it does when the device is free and ``Engine.inline_ops`` is on (CUDA), and
+the future comes back done. Two thread hops cost more than the short device wait they would
+spare the caller; the servicer asks for it when a call is the only one in flight.
 
 Two seams for instrumentation: an ``EngineObserver`` (implemented by ``ddtree.service.metrics``)
 is told about every op (``time_op`` wraps the launch, ``observe_*`` get the results), and
@@ -281,9 +284,19 @@ class Engine:
             limits=self.limits,
         )
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._device_lock = threading.Lock()  # held while an op runs, on whichever thread
+        self.inline_ops = self.device.type == "cuda"
+        """Whether ``inline=True`` calls run on the calling thread when the device is free (on
+        by default on CUDA, where an op's host work and device wait take well under a
+        millisecond; off on the CPU, whose reference ops can take much longer)."""
         # One worker per device: ops on a device are serialised on its stream anyway, and the
-        # worker is where blocking device waits belong.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ddtree-{self.device}")
+        # worker is where blocking device waits belong. Its current device and stream are set
+        # once, when the thread starts, not around every op.
+        self._worker = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=f"ddtree-{self.device}",
+            initializer=self._enter_stream,
+        )
         self.memory: RegionTable | None = None
         """Registered caller memory (CUDA IPC); ``None`` on the CPU or without cuda-python."""
         self._events: EventWaiter | None = None
@@ -354,40 +367,37 @@ class Engine:
         # Tiny inputs through every op: compiles (or loads) the kernels and proves they run.
         backend = self.backend
         device = self.device
-        with self._on_stream():
-            generator = torch.Generator().manual_seed(0)
-            logits = torch.randn(1, 2, 8, generator=generator).to(device)
-            roots = torch.zeros(1, dtype=torch.int64, device=device)
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.randn(1, 2, 8, generator=generator).to(device)
+        roots = torch.zeros(1, dtype=torch.int64, device=device)
 
-            def build(flags: torch.Tensor) -> Tree:
-                return kernels.build_tree(logits, roots, 3, error_flags=flags, backend=backend)
+        def build(flags: torch.Tensor) -> Tree:
+            return kernels.build_tree(logits, roots, 3, error_flags=flags, backend=backend)
 
-            tree = self._run_op("build_tree", build, observe=False)
-            targets = torch.zeros(1, tree.num_nodes_max, dtype=torch.int64, device=device)
+        tree = self._run_op("build_tree", build, observe=False)
+        targets = torch.zeros(1, tree.num_nodes_max, dtype=torch.int64, device=device)
 
-            def walk(flags: torch.Tensor) -> Acceptance:
-                return kernels.accept(tree, targets, error_flags=flags, backend=backend)
+        def walk(flags: torch.Tensor) -> Acceptance:
+            return kernels.accept(tree, targets, error_flags=flags, backend=backend)
 
-            acceptance = self._run_op("accept", walk, observe=False)
-            head_dim = 64
-            cache = torch.zeros(2, 4, head_dim, dtype=torch.bfloat16, device=device)
-            table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
-            lens = torch.zeros(1, dtype=torch.int32, device=device)
+        acceptance = self._run_op("accept", walk, observe=False)
+        head_dim = 64
+        cache = torch.zeros(2, 4, head_dim, dtype=torch.bfloat16, device=device)
+        table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+        lens = torch.zeros(1, dtype=torch.int32, device=device)
 
-            def commit(flags: torch.Tensor) -> None:
-                kernels.commit_kv(
-                    cache, table, lens, acceptance, error_flags=flags, backend=backend
-                )
+        def commit(flags: torch.Tensor) -> None:
+            kernels.commit_kv(cache, table, lens, acceptance, error_flags=flags, backend=backend)
 
-            self._run_op("commit_kv", commit, observe=False)
-            q = torch.zeros(1, tree.num_nodes_max, 1, head_dim, dtype=torch.bfloat16, device=device)
+        self._run_op("commit_kv", commit, observe=False)
+        q = torch.zeros(1, tree.num_nodes_max, 1, head_dim, dtype=torch.bfloat16, device=device)
 
-            def attend(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return kernels.verify_attention(
-                    q, cache, table, lens, tree, v_dim=64, error_flags=flags, backend=backend
-                )
+        def attend(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return kernels.verify_attention(
+                q, cache, table, lens, tree, v_dim=64, error_flags=flags, backend=backend
+            )
 
-            self._run_op("verify_attention", attend, observe=False)
+        self._run_op("verify_attention", attend, observe=False)
 
     def close(self) -> None:
         """Refuse new calls, finish queued ones, release the worker and device resources.
@@ -475,8 +485,16 @@ class Engine:
 
     # ------------------------------------------------------------------ ops
 
-    def build_tree(self, call: BuildTreeCall) -> Future[Tree]:
+    def build_tree(self, call: BuildTreeCall, *, inline: bool = False) -> Future[Tree]:
         """Build the draft trees of ``call`` (see ``ddtree.kernels.build_tree``).
+
+        Parameters
+        ----------
+        call : BuildTreeCall
+            The decoded call.
+        inline : bool
+            Run on this thread when the device is free (see ``inline_ops``); the future is
+            then done on return.
 
         Raises
         ------
@@ -494,14 +512,24 @@ class Engine:
                 lambda: self._build_tree(call),
                 leases=call.leases,
                 wait_event=(call.wait_event_ipc_handle, "build_tree.wait_event_ipc_handle"),
+                inline=inline,
             )
 
-    def accept_tree(self, call: AcceptTreeCall) -> Future[AcceptTreeResult]:
+    def accept_tree(
+        self, call: AcceptTreeCall, *, inline: bool = False
+    ) -> Future[AcceptTreeResult]:
         """Walk the trees of ``call`` and optionally commit the KV cache in place.
 
         The commit runs only when every request's walk succeeded. A request whose commit data is
         bad (block table, prefix length) fails the call; requests before it may already be
         compacted in a cache the engine shares with the caller.
+
+        Parameters
+        ----------
+        call : AcceptTreeCall
+            The decoded call.
+        inline : bool
+            Run on this thread when the device is free (see ``inline_ops``).
 
         Raises
         ------
@@ -519,12 +547,20 @@ class Engine:
                 lambda: self._accept_tree(call),
                 leases=call.leases,
                 wait_event=(call.wait_event_ipc_handle, "accept_tree.wait_event_ipc_handle"),
+                inline=inline,
             )
 
     def verify_attention(
-        self, call: VerifyAttentionCall
+        self, call: VerifyAttentionCall, *, inline: bool = False
     ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
         """Tree-masked paged attention of ``call``: ``(out, lse)``.
+
+        Parameters
+        ----------
+        call : VerifyAttentionCall
+            The decoded call.
+        inline : bool
+            Run on this thread when the device is free (see ``inline_ops``).
 
         Raises
         ------
@@ -542,6 +578,7 @@ class Engine:
                 lambda: self._verify_attention(call),
                 leases=call.leases,
                 wait_event=(call.wait_event_ipc_handle, "verify_attention.wait_event_ipc_handle"),
+                inline=inline,
             )
 
     # ------------------------------------------------------------------ internals
@@ -569,8 +606,9 @@ class Engine:
         *,
         leases: Leases | None = None,
         wait_event: tuple[bytes, str] = (b"", ""),
+        inline: bool = False,
     ) -> Future[_T]:
-        """Queue ``work`` on the device worker.
+        """Queue ``work`` on the device worker, or run it here (``inline``, device free).
 
         With registered memory in the call (``leases``), the stream first waits on the caller's
         IPC event (if any), and the work ends with a stream synchronisation, so every read and
@@ -592,13 +630,16 @@ class Engine:
                     self._stream.synchronize()
 
         def run() -> _T:
+            with self._device_lock:
+                return run_checked()
+
+        def run_checked() -> _T:
             if deadline_s is not None and time.monotonic() > deadline_s:
                 raise DeadlineExceeded("deadline passed while the call waited for the device")
             if self._poisoned_by is not None:
                 raise ShuttingDown("engine: the device failed earlier, the server is restarting")
             try:
-                with self._on_stream():
-                    return run_on_stream()
+                return run_on_stream()
             except torch.OutOfMemoryError as err:
                 raise OutOfMemory(f"device {self.device} is out of memory: {err}") from err
             except torch.AcceleratorError as err:
@@ -609,21 +650,41 @@ class Engine:
                     f"device {self.device} failed; this server instance stops serving"
                 ) from err
 
-        try:
-            future = self._worker.submit(run)
-        except RuntimeError as err:  # the executor was shut down between check and submit
-            raise ShuttingDown("engine: shutting down, send the call to another replica") from err
+        if inline and self.inline_ops and self._device_lock.acquire(blocking=False):
+            future: Future[_T] = Future()
+            future.set_running_or_notify_cancel()
+            try:
+                with self._on_stream():
+                    future.set_result(run_checked())
+            except BaseException as err:  # delivered through the future, as from the worker
+                future.set_exception(err)
+            finally:
+                self._device_lock.release()
+        else:
+            try:
+                future = self._worker.submit(run)
+            except RuntimeError as err:  # the executor was shut down between check and submit
+                raise ShuttingDown(
+                    "engine: shutting down, send the call to another replica"
+                ) from err
         if leases is not None:
             future.add_done_callback(lambda _: leases.release())
         return future
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
+        # An inline op on the caller's thread: this engine's device and stream for its length.
         if self._stream is None:
             yield
             return
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             yield
+
+    def _enter_stream(self) -> None:
+        # The worker's initializer: every op of this engine runs on its stream.
+        if self._stream is not None:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self._stream)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, non_blocking=True).contiguous()
@@ -647,10 +708,25 @@ class Engine:
         *,
         observe: bool = True,
     ) -> _T:
-        """Launch one op with a fresh ``error_flags`` tensor and raise on any flagged request.
+        """``_launch_op`` followed by ``_check_flags``: launch, wait, raise on a flagged request."""
+        result, flags = self._launch_op(op, launch, batch_size, observe=observe)
+        self._check_flags(op, flags)
+        return result
+
+    def _launch_op(
+        self,
+        op: str,
+        launch: Callable[[torch.Tensor], _T],
+        batch_size: int = 1,
+        *,
+        observe: bool = True,
+    ) -> tuple[_T, torch.Tensor]:
+        """Launch one op with a fresh ``error_flags`` tensor; returns its result and host flags.
 
         This is the single place every op passes through: the observer times it here (skipped
-        for warm-up), and its flags become errors naming the field and request index.
+        for warm-up). On CUDA the flags come back by a non-blocking copy, valid once
+        ``_check_flags`` has synchronised the stream; results the caller wants on the host can
+        be queued for copying before that, so one synchronisation serves them all.
         """
         flags = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
         timer = self._observer.time_op(op, self.device) if observe else contextlib.nullcontext()
@@ -661,16 +737,24 @@ class Engine:
             if isinstance(err, InvalidArgument):
                 raise
             raise InvalidArgument(f"{_RPC_OF_OP[op]}: {err}") from err
-        self._raise_for_flags(op, flags)
-        return result
+        if self._stream is not None:
+            flags = flags.to("cpu", non_blocking=True)
+        return result, flags
 
-    def _raise_for_flags(self, op: str, flags: torch.Tensor) -> None:
-        host = flags.cpu()  # the one host sync of an op: the caller needs the verdict anyway
-        bad = torch.nonzero(host).flatten().tolist()
-        if not bad:
+    def _check_flags(self, op: str, flags: torch.Tensor) -> None:
+        """Wait for the work queued so far (CUDA), then raise for the first flagged request.
+
+        Flags become errors naming the field and request index. This synchronisation is the
+        op's one wait on the device: the caller needs the verdict anyway.
+        """
+        if self._stream is not None:
+            self._stream.synchronize()
+        values = flags.tolist()
+        if not any(values):
             return
+        bad = [index for index, value in enumerate(values) if value]
         index = bad[0]
-        value = ErrorFlag(int(host[index]))
+        value = ErrorFlag(values[index])
         rpc = _RPC_OF_OP[op]
         for flag, error_type, field, what in _FLAG_FIELDS[op]:
             if flag in value:
@@ -686,7 +770,11 @@ class Engine:
         )
 
     def _result(self, tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-        return tensor if device is None else tensor.to(device)
+        """``tensor`` on ``device`` (``None``: where it is). A copy from the GPU to the host is
+        queued without waiting: it is complete after the next ``_check_flags``."""
+        if device is None or device == tensor.device:
+            return tensor
+        return tensor.to(device, non_blocking=device.type == "cpu" and tensor.is_cuda)
 
     def _build_tree(self, call: BuildTreeCall) -> Tree:
         logits = self._to_device(call.draft_logits)
@@ -697,7 +785,7 @@ class Engine:
             if max_budget is None:
                 max_budget = int(budget.max())
             budget = self._to_device(budget)
-        tree = self._run_op(
+        tree, flags = self._launch_op(
             "build_tree",
             lambda f: kernels.build_tree(
                 logits,
@@ -710,25 +798,38 @@ class Engine:
             ),
             logits.shape[0],
         )
+        result = tree if call.out is not None else self._tree_result(tree, call.result_device)
+        self._check_flags("build_tree", flags)
         self._observer.observe_trees(tree.num_nodes, model=call.model)
         if call.out is not None:
-            # Caller memory: the kernels allocate their outputs, so copy (a few KB per request).
+            # Caller memory, written only after the verdict: the kernels allocate their
+            # outputs, so copy (a few KB per request).
             for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
                 getattr(call.out, name).copy_(getattr(tree, name))
             return call.out
-        return self._tree_result(tree, call.result_device)
+        return result
 
     def _tree_result(self, tree: Tree, device: torch.device | None) -> Tree:
         if device is None or device == self.device:
             return tree
         return replace(
             tree,
-            tokens=tree.tokens.to(device),
-            parents=tree.parents.to(device),
-            depths=tree.depths.to(device),
-            log_probs=tree.log_probs.to(device),
-            num_nodes=tree.num_nodes.to(device),
-            mask=tree.mask.to(device),
+            tokens=self._result(tree.tokens, device),
+            parents=self._result(tree.parents, device),
+            depths=self._result(tree.depths, device),
+            log_probs=self._result(tree.log_probs, device),
+            num_nodes=self._result(tree.num_nodes, device),
+            mask=self._result(tree.mask, device),
+        )
+
+    def _acceptance_result(self, acceptance: Acceptance, device: torch.device | None) -> Acceptance:
+        if device is None or device == self.device:
+            return acceptance
+        return Acceptance(
+            nodes=self._result(acceptance.nodes, device),
+            tokens=self._result(acceptance.tokens, device),
+            length=self._result(acceptance.length, device),
+            bonus=self._result(acceptance.bonus, device),
         )
 
     def _accept_tree(self, call: AcceptTreeCall) -> AcceptTreeResult:
@@ -739,7 +840,7 @@ class Engine:
         if call.temperature > 0:
             seed = call.seed if call.seed is not None else secrets.randbits(64)
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        acceptance = self._run_op(
+        acceptance, flags = self._launch_op(
             "accept",
             lambda f: kernels.accept(
                 tree,
@@ -752,33 +853,34 @@ class Engine:
             ),
             tree.batch_size,
         )
+        op = "accept"
         kv_cache = None
         if call.kv_commit is not None:
-            kv_cache = self._commit_kv(call.kv_commit, acceptance, tree.batch_size)
+            self._check_flags(op, flags)  # the commit runs only when every walk succeeded
+            op = "commit_kv"
+            kv_cache, flags = self._launch_commit_kv(call.kv_commit, acceptance, tree.batch_size)
             if kv_cache is not call.kv_commit.kv_cache:
                 # Compacted in a device copy (the caller's cache was elsewhere): carry it back.
                 # A cache compacted in place (registered caller memory) is never copied.
                 kv_cache = self._result(kv_cache, call.result_device)
+        result = acceptance
+        if call.out is None:
+            result = self._acceptance_result(acceptance, call.result_device)
+        self._check_flags(op, flags)
         self._observer.observe_acceptance(
             acceptance.nodes, acceptance.length, tree.num_nodes, model=call.model
         )
         if call.out is not None:
+            # Caller memory, written only after the verdict.
             for name in ("nodes", "tokens", "length", "bonus"):
                 getattr(call.out, name).copy_(getattr(acceptance, name))
             return AcceptTreeResult(acceptance=call.out, kv_cache=kv_cache)
-        device = call.result_device
-        if device is not None and device != self.device:
-            acceptance = Acceptance(
-                nodes=acceptance.nodes.to(device),
-                tokens=acceptance.tokens.to(device),
-                length=acceptance.length.to(device),
-                bonus=acceptance.bonus.to(device),
-            )
-        return AcceptTreeResult(acceptance=acceptance, kv_cache=kv_cache)
+        return AcceptTreeResult(acceptance=result, kv_cache=kv_cache)
 
-    def _commit_kv(
+    def _launch_commit_kv(
         self, args: KvCommitArgs, acceptance: Acceptance, batch_size: int
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch the KV commit; returns the compacted cache and the flags (``_launch_op``)."""
         # The caller's cache is compacted in place when it already lives on this device; an
         # inline (host) cache is compacted in a device copy that the result carries back.
         cache = args.kv_cache
@@ -786,7 +888,7 @@ class Engine:
             cache = self._to_device(cache)
         table = self._to_device(args.block_table)
         lens = self._to_device(args.prefix_lens)
-        self._run_op(
+        _, flags = self._launch_op(
             "commit_kv",
             lambda f: kernels.commit_kv(
                 cache,
@@ -798,7 +900,7 @@ class Engine:
             ),
             batch_size,
         )
-        return cache
+        return cache, flags
 
     def _verify_attention(self, call: VerifyAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         tree = self._tree_to_device(call.tree)
@@ -806,7 +908,7 @@ class Engine:
         cache = self._to_device(call.kv_cache)
         table = self._to_device(call.block_table)
         lens = self._to_device(call.prefix_lens)
-        out, lse = self._run_op(
+        (out, lse), flags = self._launch_op(
             "verify_attention",
             lambda f: kernels.verify_attention(
                 q,
@@ -828,4 +930,5 @@ class Engine:
             out = self._result(out, call.result_device)
         if call.lse is None:
             lse = self._result(lse, call.result_device)
+        self._check_flags("verify_attention", flags)
         return out, lse

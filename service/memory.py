@@ -86,6 +86,8 @@ _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]*$")
 _MAX_TOKEN_CHARS = 128
 _SWEEP_INTERVAL_S = 1.0
 _MAX_CACHED_EVENTS = 64
+_MAX_CACHED_VIEWS = 256
+"""Resolved reference views kept per region; a caller reuses a few buffers call after call."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,7 @@ class _Region:
         "owner",
         "pointer",
         "region_id",
+        "views",
     )
 
     def __init__(
@@ -273,6 +276,8 @@ class _Region:
         self.pointer = pointer
         self.byte_size = byte_size
         self.bytes_view = bytes_view  # [byte_size] uint8 over the mapping, or None until used
+        # (offset_bytes, dtype, shape) -> checked view of the mapping, reused by later calls
+        self.views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         self.leases = 0
         self.is_unregistered = False
         self.last_used_s = now_s
@@ -648,6 +653,7 @@ class RegionTable:
 
     def _close_region(self, region: _Region) -> None:
         region.bytes_view = None
+        region.views = {}
         self._close_pointer(region.pointer, region.region_id)
 
     def _close_pointer(self, pointer: int, region_id: str) -> None:
@@ -750,12 +756,20 @@ class Leases:
                 f"{self._table.device_uuid}",
                 field=f"{field}.ref",
             )
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        byte_size = check_reference(field, offset_bytes, shape, itemsize, region.byte_size)
+        key = (offset_bytes, dtype, tuple(shape))
+        view = region.views.get(key)
+        if view is not None:  # checked when it was made; the region's size never changes
+            return view
+        byte_size = check_reference(field, offset_bytes, shape, dtype.itemsize, region.byte_size)
         if byte_size == 0:
-            return torch.empty(tuple(shape), dtype=dtype, device=self._table.device)
+            return torch.empty(key[2], dtype=dtype, device=self._table.device)
         raw = self._table._bytes_view(region)[offset_bytes : offset_bytes + byte_size]
-        return raw.view(dtype).view(tuple(shape))
+        view = raw.view(dtype).view(key[2])
+        views = region.views
+        if len(views) >= _MAX_CACHED_VIEWS:
+            views.clear()
+        views[key] = view
+        return view
 
     def release(self) -> None:
         """End every lease of the call; regions unregistered meanwhile close now."""

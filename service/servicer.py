@@ -7,8 +7,9 @@ mapped to status codes by the server's interceptor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -64,13 +65,37 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         self._engine = engine
         self._config = config
         self._resolver = resolver
+        self._active = 0
+        """Data calls (BuildTree, AcceptTree, VerifyAttention) being handled now."""
 
     def _budget_s(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
         cap = self._config.request_deadline_cap_s
         return cap if remaining is None else min(remaining, cap)
 
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        """Count a data call while it is handled (``_inline`` reads the count)."""
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+
+    def _inline(self, byte_size: int) -> bool:
+        """Whether a data call asks the engine to run its op on the event loop thread.
+
+        A small call that is the only one in flight does (the engine agrees where
+        ``Engine.inline_ops`` is on: CUDA): the loop has nothing else to do during the short
+        device wait, and the two thread hops to the device worker and back cost more.
+        Concurrent calls go through the worker, so that decoding one overlaps the device work
+        of another; large inline tensors do too (their copies to the device take long).
+        """
+        return self._active == 1 and byte_size <= _OFFLOAD_BYTES
+
     async def _await(self, future: Future[_T], budget_s: float) -> _T:
+        if future.done():  # ran inline
+            return future.result()
         # wait_for cancels the engine's future on timeout or when the RPC is cancelled, which
         # drops the work if it has not started yet.
         try:
@@ -133,11 +158,14 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         budget_s = self._budget_s(context)
         deadline_s = time.monotonic() + budget_s
         resolver = self._resolver.for_owner(client_identity(context))
-        call = await _convert(
-            request.ByteSize(),
-            lambda: convert.build_tree_call(request, resolver, deadline_s=deadline_s),
-        )
-        tree = await self._await(self._engine.build_tree(call), budget_s)
+        byte_size = request.ByteSize()
+        with self._counted():
+            call = await _convert(
+                byte_size, lambda: convert.build_tree_call(request, resolver, deadline_s=deadline_s)
+            )
+            tree = await self._await(
+                self._engine.build_tree(call, inline=self._inline(byte_size)), budget_s
+            )
         if call.out is not None:
             return pb.BuildTreeResponse(tree=convert.tree_refs_to_proto(request.outputs, tree))
         return pb.BuildTreeResponse(tree=convert.tree_to_proto(tree))
@@ -149,11 +177,15 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         budget_s = self._budget_s(context)
         deadline_s = time.monotonic() + budget_s
         resolver = self._resolver.for_owner(client_identity(context))
-        call = await _convert(
-            request.ByteSize(),
-            lambda: convert.accept_tree_call(request, resolver, deadline_s=deadline_s),
-        )
-        result = await self._await(self._engine.accept_tree(call), budget_s)
+        byte_size = request.ByteSize()
+        with self._counted():
+            call = await _convert(
+                byte_size,
+                lambda: convert.accept_tree_call(request, resolver, deadline_s=deadline_s),
+            )
+            result = await self._await(
+                self._engine.accept_tree(call, inline=self._inline(byte_size)), budget_s
+            )
 
         cache_is_ref = request.kv_commit.kv_cache.WhichOneof("data") == "ref"
 
@@ -176,11 +208,15 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         budget_s = self._budget_s(context)
         deadline_s = time.monotonic() + budget_s
         resolver = self._resolver.for_owner(client_identity(context))
-        call = await _convert(
-            request.ByteSize(),
-            lambda: convert.verify_attention_call(request, resolver, deadline_s=deadline_s),
-        )
-        out, lse = await self._await(self._engine.verify_attention(call), budget_s)
+        byte_size = request.ByteSize()
+        with self._counted():
+            call = await _convert(
+                byte_size,
+                lambda: convert.verify_attention_call(request, resolver, deadline_s=deadline_s),
+            )
+            out, lse = await self._await(
+                self._engine.verify_attention(call, inline=self._inline(byte_size)), budget_s
+            )
 
         def respond() -> pb.VerifyAttentionResponse:
             return pb.VerifyAttentionResponse(
