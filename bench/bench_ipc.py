@@ -16,15 +16,31 @@ Reports p50/p99/mean per call and calls per second, and the ratio of BuildTree-b
 p50 (batch 32, Unix socket) to floor p50 + kernel time. Writes
 ``bench/results/<date>-<gpu>-ipc.json`` (or ``--out``).
 
-Usage: ``python bench/bench_ipc.py [--out PATH] [--quick]``.
+``--cpu`` measures the service's own per-call overhead without a GPU instead: the server on the
+CPU (reference backend), the floor, a tiny AcceptTree and a small BuildTree (inline tensors),
+1 and 16 callers, both transports, beside the reference ops' time in this process; it writes
+``bench/results/<date>-cpu-ipc-overhead.json`` (or ``--out``).
+
+``--inline-ops on|off`` forces ``Engine.inline_ops`` in the server (default: the engine's own
+choice, on for CUDA): an ablation of the servicer's choice to run a lone call's op on the event
+loop instead of the device worker.
+``--profile DIR`` then profiles serial BuildTree by reference at batch 32 (Unix socket):
+cProfile of the server's event-loop thread and of this caller, written to DIR (``.prof`` and
+text summaries).
+
+Usage: ``python bench/bench_ipc.py [--out PATH] [--quick] [--cpu] [--inline-ops on|off]
+[--profile DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
 import json
 import os
+import pstats
 import re
 import socket
 import statistics
@@ -57,19 +73,46 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _start_server(unix_path: str, port: int) -> subprocess.Popen[str]:
+_FORCED_INLINE_OPS = """
+import sys
+from ddtree.service import engine
+_init = engine.Engine.__init__
+def _forced(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.inline_ops = {value}
+engine.Engine.__init__ = _forced
+from ddtree.service.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+"""Server entry point of the ``--inline-ops`` ablation (the CLI has no such switch)."""
+
+
+def _start_server(
+    unix_path: str,
+    port: int,
+    *,
+    device: str = "cuda:0",
+    inline_ops: bool | None = None,
+    profile: Path | None = None,
+) -> subprocess.Popen[str]:
+    launcher = ["-m", "ddtree.service"]
+    if inline_ops is not None:
+        script = Path(unix_path).with_name("serve_forced_inline_ops.py")
+        script.write_text(_FORCED_INLINE_OPS.format(value=inline_ops))
+        launcher = [str(script)]
+    if profile is not None:  # cProfile of the main (event-loop) thread, written at exit
+        launcher = ["-m", "cProfile", "-o", str(profile), *launcher]
     process = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "ddtree.service",
+            *launcher,
             "serve",
             "--listen",
             f"unix:{unix_path}",
             "--listen",
             f"127.0.0.1:{port}",
             "--device",
-            "cuda:0",
+            device,
             "--max-concurrent-calls",
             "64",
         ],
@@ -172,11 +215,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    parser.add_argument("--cpu", action="store_true", help="service overhead on the CPU")
+    parser.add_argument("--inline-ops", choices=("on", "off"), default=None, help="force it")
+    parser.add_argument("--profile", type=Path, default=None, help="cProfile dumps here (GPU)")
     args = parser.parse_args(argv)
     scale = 0.2 if args.quick else 1.0
 
     def n(count: int) -> int:
         return max(3, int(count * scale))
+
+    inline_ops = None if args.inline_ops is None else args.inline_ops == "on"
+    if args.cpu:
+        _main_cpu(args.out, n, inline_ops=inline_ops)
+        return
 
     gpu = torch.cuda.get_device_name()
     batch1, batch32 = _inputs(1), _inputs(32)
@@ -205,13 +256,16 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         unix_path = f"{tmp}/bench.sock"
         port = _free_port()
-        server = _start_server(unix_path, port)
+        server = _start_server(unix_path, port, inline_ops=inline_ops)
         try:
             for name, address in (("unix", f"unix:{unix_path}"), ("tcp", f"127.0.0.1:{port}")):
                 results["transports"][name] = _bench_transport(address, batch1, batch32, n)
         finally:
             server.terminate()
             server.wait(timeout=60)
+        if args.profile is not None:
+            _profile(args.profile, f"{tmp}/profile.sock", batch32, n(300), inline_ops)
+    results["inline_ops"] = "default (on: CUDA)" if inline_ops is None else inline_ops
     unix = results["transports"]["unix"]
     floor = unix["echo"]["p50_ms"] + kernel["build_tree_b32_ms"]
     results["target"] = {
@@ -226,6 +280,153 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(results, indent=2) + "\n")
     json.dump(results, sys.stdout, indent=2)
     sys.stdout.write(f"\nwrote {out}\n")
+
+
+CPU_VOCAB = 1024
+CPU_BUDGET = 8
+
+
+def _host_ms(call: Callable[[], object], iters: int) -> float:
+    for _ in range(5):
+        call()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 4)
+
+
+def _main_cpu(out_path: Path | None, n: Callable[[int], int], *, inline_ops: bool | None) -> None:
+    """The service's per-call overhead on the CPU: floor, tiny AcceptTree, small BuildTree."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, DRAFT_LEN, CPU_VOCAB, generator=generator)
+    roots = torch.randint(0, CPU_VOCAB, (1,), generator=generator)
+    tree = kernels.build_tree(logits, roots, CPU_BUDGET)
+    targets = tree.tokens.clamp(min=0)
+    kernel = {
+        "build_tree_ms": _host_ms(lambda: kernels.build_tree(logits, roots, CPU_BUDGET), n(200)),
+        "accept_ms": _host_ms(lambda: kernels.accept(tree, targets), n(200)),
+    }
+    results: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "device": f"cpu ({os.cpu_count()} cores), reference backend",
+        "torch": torch.__version__,
+        "grpcio": grpc.__version__,
+        "inline_ops": "default (off: CPU)" if inline_ops is None else inline_ops,
+        "shape": {
+            "batch_size": 1,
+            "draft_len": DRAFT_LEN,
+            "vocab_size": CPU_VOCAB,
+            "budget": CPU_BUDGET,
+            "dtype": "fp32",
+        },
+        "kernel_host": kernel,
+        "transports": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        unix_path = f"{tmp}/bench.sock"
+        port = _free_port()
+        server = _start_server(unix_path, port, device="cpu", inline_ops=inline_ops)
+        try:
+            for name, address in (("unix", f"unix:{unix_path}"), ("tcp", f"127.0.0.1:{port}")):
+                results["transports"][name] = _cpu_transport(
+                    address, logits, roots, tree, targets, kernel, n
+                )
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    out_file = out_path or (
+        Path(__file__).parent / "results" / f"{results['date']}-cpu-ipc-overhead.json"
+    )
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(results, indent=2) + "\n")
+    json.dump(results, sys.stdout, indent=2)
+    sys.stdout.write(f"\nwrote {out_file}\n")
+
+
+def _cpu_transport(
+    address: str,
+    logits: torch.Tensor,
+    roots: torch.Tensor,
+    tree: Any,
+    targets: torch.Tensor,
+    kernel: dict[str, float],
+    n: Callable[[int], int],
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.TreeSpeculationServiceStub(channel)
+        request = pb.GetServerInfoRequest()
+        out["echo"] = _serial(lambda: stub.GetServerInfo(request, timeout=10), n(1000))
+    with Client(address) as client:
+        out["accept_tree_tiny"] = _serial(lambda: client.accept_tree(tree, targets), n(1000))
+        out["build_tree_small"] = _serial(
+            lambda: client.build_tree(logits, roots, CPU_BUDGET), n(500)
+        )
+    for label, ms in (
+        ("accept_tree_tiny", kernel["accept_ms"]),
+        ("build_tree_small", kernel["build_tree_ms"]),
+    ):
+        overhead = out[label]["p50_ms"] - out["echo"]["p50_ms"] - ms
+        out[f"{label}_overhead_p50_ms"] = round(overhead, 4)
+    clients = [Client(address) for _ in range(16)]
+    try:
+        out["concurrent_16"] = {
+            "accept_tree_tiny": _concurrent(
+                lambda c: lambda: c.accept_tree(tree, targets), clients, n(60)
+            ),
+            "build_tree_small": _concurrent(
+                lambda c: lambda: c.build_tree(logits, roots, CPU_BUDGET), clients, n(30)
+            ),
+        }
+    finally:
+        for client in clients:
+            client.close()
+    return out
+
+
+def _profile(
+    out_dir: Path, unix_path: str, batch: dict[str, Any], iters: int, inline_ops: bool | None
+) -> None:
+    """cProfile of serial BuildTree by reference (server's loop thread and this caller)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    server_prof = out_dir / "server_build_tree_b32_ref.prof"
+    server = _start_server(
+        unix_path, _free_port(), inline_ops=inline_ops, profile=server_prof.resolve()
+    )
+    client = Client(f"unix:{unix_path}", tensor_transport="ipc")
+    try:
+        for _ in range(10):
+            client.build_tree(batch["logits"], batch["roots"], BUDGET)
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.enable()
+        for _ in range(iters):
+            client.build_tree(batch["logits"], batch["roots"], BUDGET)
+        profiler.disable()
+        wall = time.perf_counter() - start
+        profiler.dump_stats(out_dir / "client_build_tree_b32_ref.prof")
+        _write_summary(profiler, out_dir / "client_build_tree_b32_ref.txt", iters, wall)
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(timeout=60)
+    if server_prof.exists():
+        stats = pstats.Stats(str(server_prof))
+        _write_summary(stats, out_dir / "server_build_tree_b32_ref.txt", iters, wall)
+
+
+def _write_summary(
+    source: cProfile.Profile | pstats.Stats, path: Path, iters: int, wall_s: float
+) -> None:
+    text = io.StringIO()
+    text.write(f"{iters} calls, {wall_s / iters * 1e3:.3f} ms per call under the profiler\n")
+    stats = source if isinstance(source, pstats.Stats) else pstats.Stats(source)
+    stats.stream = text  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    path.write_text(text.getvalue())
 
 
 def _bench_transport(
