@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -741,6 +742,8 @@ def assert_unharmed(served: Served, inputs: Inputs) -> None:
 
 def _count(name: str) -> None:
     cases_run[name] = cases_run.get(name, 0) + 1
+    if os.environ.get("DDTREE_FUZZ_PROGRESS") and cases_run[name] % 500 == 0:
+        sys.stderr.write(f"fuzz progress: {name} {cases_run[name]} cases\n")
 
 
 # ---------------------------------------------------------------------------- BuildTree

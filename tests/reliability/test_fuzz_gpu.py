@@ -60,7 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "--max-message-bytes",
         str(fuzz.MAX_MESSAGE_BYTES),
         "--log-level",
-        "WARNING",
+        "INFO",  # wait_serving waits for the INFO line event=serving
     )
     try:
         yield process.wait_serving()

@@ -111,7 +111,7 @@ def test_a_launch_error_the_engine_missed_is_found_by_the_probe(
 @pytest.fixture
 def sticky_server() -> Iterator[Any]:
     """Starts ``sticky_server.py`` processes (killed at the end if still running)."""
-    processes: list[subprocess.Popen[str]] = []
+    started: list[tuple[subprocess.Popen[str], LogWatcher]] = []
 
     def start(fault: str, address: str, trigger: Path) -> tuple[subprocess.Popen[str], LogWatcher]:
         command = [
@@ -132,15 +132,18 @@ def sticky_server() -> Iterator[Any]:
             "DEBUG",
         ]
         process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-        processes.append(process)
         assert process.stderr is not None
-        return process, LogWatcher(process.stderr)
+        started.append((process, LogWatcher(process.stderr)))
+        return started[-1]
 
     yield start
-    for process in processes:
+    for process, log in started:
         if process.poll() is None:
             process.kill()
             process.wait()
+        log.join()
+        assert process.stderr is not None
+        process.stderr.close()
 
 
 @pytest.mark.gpu
