@@ -716,12 +716,10 @@ def golden_inputs(served: Served) -> Inputs:
         assert expected is not None, name
         if SERVER_DEVICE == "cpu":
             assert expected == golden, name
-        else:
-            before = len(numeric_mismatches)
+        else:  # recorded, asserted at the end: the fuzz cases still run
             compare_responses(
                 name, response_type.FromString(expected), response_type.FromString(golden)
             )
-            assert len(numeric_mismatches) == before, numeric_mismatches[before:]
     return made
 
 
