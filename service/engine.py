@@ -5,9 +5,10 @@ No gRPC here. Ops run on one dedicated worker thread per device, so blocking dev
 the typed methods return ``concurrent.futures.Future`` objects (``.result()`` for synchronous
 callers, ``asyncio.wrap_future`` for asynchronous ones). Cancelling a future before its work
 started drops the work. A caller may ask for an op to run on its own thread instead
-(``inline=True``): it does when the device is free and ``Engine.inline_ops`` is on (CUDA), and
-the future comes back done. Two thread hops cost more than the short device wait they would
-spare the caller; the servicer asks for it when a call is the only one in flight.
+(``inline=True``): it does when the device is free, ``Engine.inline_ops`` is on (CUDA) and the
+call waits on no caller IPC event, and the future comes back done. Two thread hops cost more
+than the short device wait they would spare the caller; the servicer asks for it when a call
+is the only one in flight.
 
 Two seams for instrumentation: an ``EngineObserver`` (implemented by ``ddtree.service.metrics``)
 is told about every op (``time_op`` wraps the launch, ``observe_*`` get the results), and
@@ -493,8 +494,8 @@ class Engine:
         call : BuildTreeCall
             The decoded call.
         inline : bool
-            Run on this thread when the device is free (see ``inline_ops``); the future is
-            then done on return.
+            Run on this thread when the device is free and the call waits on no IPC event
+            (see ``inline_ops``); the future is then done on return.
 
         Raises
         ------
@@ -650,7 +651,10 @@ class Engine:
                     f"device {self.device} failed; this server instance stops serving"
                 ) from err
 
-        if inline and self.inline_ops and self._device_lock.acquire(blocking=False):
+        # A call that waits on the caller's IPC event never runs inline: the caller's stream,
+        # not this engine's work, decides how long that wait blocks the calling thread.
+        inline = inline and not handle and self.inline_ops
+        if inline and self._device_lock.acquire(blocking=False):
             future: Future[_T] = Future()
             future.set_running_or_notify_cancel()
             try:

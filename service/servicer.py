@@ -86,8 +86,9 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         """Whether a data call asks the engine to run its op on the event loop thread.
 
         A small call that is the only one in flight does (the engine agrees where
-        ``Engine.inline_ops`` is on: CUDA): the loop has nothing else to do during the short
-        device wait, and the two thread hops to the device worker and back cost more.
+        ``Engine.inline_ops`` is on, CUDA, and the call waits on no caller IPC event): the loop
+        has nothing else to do during the short device wait, and the two thread hops to the
+        device worker and back cost more.
         Concurrent calls go through the worker, so that decoding one overlaps the device work
         of another; large inline tensors do too (their copies to the device take long).
         """

@@ -140,6 +140,20 @@ def test_an_expired_deadline_is_not_run_inline(
     assert recorder.threads == []
 
 
+def test_a_call_waiting_on_a_caller_event_goes_to_the_worker(step: Step) -> None:
+    recorder = Recorder()
+    # A mapper gives the engine IPC support, so the call may carry an event handle.
+    with Engine(
+        device="cpu", backend="reference", observer=recorder, ipc_mapper=HostMapper()
+    ) as engine:
+        engine.warm_up()
+        engine.inline_ops = True
+        call = build_call(step, wait_event_ipc_handle=bytes(64))
+        tree = engine.build_tree(call, inline=True).result(timeout=30)
+    assert torch.equal(tree.tokens, step.tree.tokens)
+    assert recorder.threads[-1][1] != threading.get_ident()
+
+
 def test_a_busy_device_queues_the_call_on_the_worker(
     engine: Engine, recorder: Recorder, step: Step
 ) -> None:
