@@ -22,12 +22,16 @@
 //    statistics into the row's log-sum-exp, selects the row's top-K composites, sorts them
 //    (bitonic), and writes the sorted top-K tokens, their log-probabilities and the number of
 //    possible ones.
-// 3. ddtree_build_select  grid (batch_size), block 32 * ceil(max_budget / 32) threads, one
-//    frontier slot per thread. Best-first selection: each pop is a block-wide argmax over the
-//    frontier (score descending, rank tuple lexicographically ascending; ties are resolved by
-//    walking the popped nodes' parents in shared memory), the popped slot takes the node's first
-//    child and a fresh slot its next sibling. Then every thread writes nodes and ancestor masks.
-//    Shared memory: 16 bytes per node slot plus, when it fits, the per-depth log-prob table.
+// 3. ddtree_build_select  grid (batch_size), block SELECT_THREADS; warp 0 runs the best-first
+//    selection of one request, then the whole block writes the nodes and ancestor masks. The
+//    frontier (at most budget + 1 candidates) lives in shared memory, slot s owned by lane s % 32,
+//    which keeps the best of its slots in registers. A pop is one warp max-reduction of the lanes'
+//    best keys (order_key of the score). Exact score ties compare rank tuples lexicographically:
+//    first a packed prefix of the tuple (rank + 1 of the first 64 / bits(top_k) depths in one
+//    64-bit word, two more warp reductions), and only when those agree by walking parents. The
+//    popped slot takes the node's first child and a fresh slot its next sibling; only the lanes
+//    that own a changed slot rescan. Shared memory: the node and frontier tables, plus the
+//    per-depth log-prob table when it fits.
 //
 // Rules shared with the reference: x = logits.float() / temperature (true division), NaN -> -inf,
 // a row holding +inf gives its +inf tokens log-prob -log(count) and every other token -inf, an
@@ -45,10 +49,14 @@
 #ifndef TOPK_MIN_BLOCKS
 #define TOPK_MIN_BLOCKS 2
 #endif
+#ifndef SELECT_THREADS
+#define SELECT_THREADS 128
+#endif
 #ifndef MERGE_THREADS
 #define MERGE_THREADS 512
 #endif
 
+#define DDTREE_FULL 0xFFFFFFFFu
 #define DDTREE_LOG2E 1.4426950408889634f
 // Composite of the smallest finite value with the largest token id: below every possible entry.
 #define DDTREE_FINITE_FLOOR (((uint64_t)0x00800000u) << 32)
@@ -546,8 +554,12 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
                    topk_tok, topk_count);
 }
 
-// Lexicographic comparison of the rank tuples of two candidates (parent node, rank, depth):
-// true when candidate 1's tuple is smaller. Popped nodes' parents and ranks are in shared memory.
+#define DDTREE_MAX_NODES 1025
+// order_key(-inf): a frontier whose best key is at or below this has nothing left to pop.
+#define DDTREE_NEG_INF_KEY 0x007FFFFFu
+
+// Lexicographic comparison of the rank tuples of two candidates (parent node, rank, depth) by
+// walking popped nodes' parents: true when candidate 1's tuple is smaller.
 __device__ bool ddtree_lex_less(int p1, int r1, int d1, int p2, int r2, int d2,
                                 const int16_t* parent, const int16_t* rank) {
   const int depth1 = d1, depth2 = d2;
@@ -571,14 +583,36 @@ __device__ bool ddtree_lex_less(int p1, int r1, int d1, int p2, int r2, int d2,
   return r1 < r2;
 }
 
-struct DdtreeCand {
-  float score;
-  int parent, rank, depth;
-};
+// A frontier candidate: parent node (11 bits), rank (10 bits), depth (6 bits).
+__device__ __forceinline__ uint32_t ddtree_pack_slot(int parent, int rank, int depth) {
+  return (uint32_t)parent | ((uint32_t)rank << 11) | ((uint32_t)depth << 21);
+}
 
-#define DDTREE_MAX_NODES 1025
+__device__ __forceinline__ bool ddtree_slot_lex_less(uint32_t a, uint32_t b, const int16_t* parent,
+                                                     const int16_t* rank) {
+  return ddtree_lex_less(a & 2047, (a >> 11) & 1023, a >> 21, b & 2047, (b >> 11) & 1023, b >> 21,
+                         parent, rank);
+}
 
-extern "C" __global__ void ddtree_build_select(
+// Packed rank-tuple prefix: depth d's rank + 1 in `bits` bits at shift 64 - bits * d, for the
+// depths that fit (64 / bits of them); 0 beyond a node's depth. Equal packed prefixes compare
+// their full tuples by walking parents.
+__device__ __forceinline__ uint64_t ddtree_lex_extend(uint64_t parent_lex, int rank, int depth,
+                                                      int bits) {
+  const int shift = 64 - bits * depth;
+  return shift >= 0 ? parent_lex | ((uint64_t)(rank + 1) << shift) : parent_lex;
+}
+
+// Candidate order: larger score key first, then the smaller rank tuple.
+__device__ __forceinline__ bool ddtree_cand_better(uint32_t ka, uint64_t la, uint32_t ia,
+                                                   uint32_t kb, uint64_t lb, uint32_t ib,
+                                                   const int16_t* parent, const int16_t* rank) {
+  if (ka != kb) return ka > kb;
+  if (la != lb) return la < lb;
+  return ddtree_slot_lex_less(ia, ib, parent, rank);
+}
+
+extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select(
     const float* __restrict__ topk_lp,      // [batch, draft_len, top_k]
     const int32_t* __restrict__ topk_tok,   // [batch, draft_len, top_k]
     const int32_t* __restrict__ topk_count, // [batch, draft_len]
@@ -598,15 +632,15 @@ extern "C" __global__ void ddtree_build_select(
   __shared__ int16_t node_rank[DDTREE_MAX_NODES];
   __shared__ int8_t node_depth[DDTREE_MAX_NODES];
   __shared__ float node_score[DDTREE_MAX_NODES];
+  __shared__ uint64_t node_lex[DDTREE_MAX_NODES];
+  __shared__ uint32_t slot_key[DDTREE_MAX_NODES];
+  __shared__ uint32_t slot_info[DDTREE_MAX_NODES];
+  __shared__ uint64_t slot_lex[DDTREE_MAX_NODES];
   __shared__ int counts[32];
-  __shared__ int16_t slot_parent[1024];
-  __shared__ int16_t slot_rank[1024];
-  __shared__ int8_t slot_depth[1024];
-  __shared__ DdtreeCand red[2][32];
-  __shared__ int red_slot[2][32];
-  __shared__ int skip;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+  __shared__ int skip, total;
+  const int tid = threadIdx.x, lane = tid & 31;
   const int64_t b = blockIdx.x;
+  const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
   const float* lp_global = topk_lp + b * draft_len * (int64_t)top_k;
   const float* lp = lp_in_smem ? lp_table : lp_global;
   if (lp_in_smem) {
@@ -625,115 +659,127 @@ extern "C" __global__ void ddtree_build_select(
     node_rank[0] = 0;
     node_depth[0] = 0;
     node_score[0] = 0.0f;
+    node_lex[0] = 0;
   }
   __syncthreads();
   const int budget = skip ? 0 : min(max(budgets[b], 0), num_nodes_max - 1);
 
-  // Frontier slot `tid`: its candidate lives in registers and, for in-warp tie-breaks, in
-  // shared memory (written only by its owner lane, read only by lanes of the same warp).
-  DdtreeCand mine = {-DDTREE_INF, 0, 0, 1};
-  if (tid == 0 && counts[0] > 0) mine.score = lp[0];
-  slot_parent[tid] = 0;
-  slot_rank[tid] = 0;
-  slot_depth[tid] = 1;
-  __syncwarp();
-  int size = 1;
-  int popped = 0;
-  while (popped < budget) {
-    // In-warp argmax over (score, slot); equal finite scores compare rank tuples.
-    float best_score = mine.score;
-    int best_slot = tid;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float os = __shfl_xor_sync(0xFFFFFFFFu, best_score, off);
-      const int oslot = __shfl_xor_sync(0xFFFFFFFFu, best_slot, off);
-      bool take = os > best_score;
-      if (os == best_score) {
-        take = os > -DDTREE_INF
-                   ? ddtree_lex_less(slot_parent[oslot], slot_rank[oslot], slot_depth[oslot],
-                                     slot_parent[best_slot], slot_rank[best_slot],
-                                     slot_depth[best_slot], node_parent, node_rank)
-                   : oslot < best_slot;
-      }
-      if (take) {
-        best_score = os;
-        best_slot = oslot;
-      }
-    }
-    DdtreeCand best;
-    if (warps > 1) {
-      const int par = popped & 1;
-      if (lane == 0) {
-        red[par][warp] = {best_score, slot_parent[best_slot], slot_rank[best_slot],
-                          slot_depth[best_slot]};
-        red_slot[par][warp] = best_slot;
-      }
-      __syncthreads();
-      // Across warps: lane w holds warp w's winner; the same shuffle argmax over warp ids.
-      int w_best = lane < warps ? lane : 0;
-      float s_best = lane < warps ? red[par][lane].score : -DDTREE_INF;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        const float os = __shfl_xor_sync(0xFFFFFFFFu, s_best, off);
-        const int ow = __shfl_xor_sync(0xFFFFFFFFu, w_best, off);
-        bool take = os > s_best;
-        if (os == s_best) {
-          const DdtreeCand& a = red[par][ow];
-          const DdtreeCand& c = red[par][w_best];
-          take = os > -DDTREE_INF ? ddtree_lex_less(a.parent, a.rank, a.depth, c.parent, c.rank,
-                                                    c.depth, node_parent, node_rank)
-                                  : ow < w_best;
-        }
-        if (take) {
-          s_best = os;
-          w_best = ow;
-        }
-      }
-      best = red[par][w_best];
-      best_slot = red_slot[par][w_best];
-    } else {
-      best = {best_score, slot_parent[best_slot], slot_rank[best_slot], slot_depth[best_slot]};
-    }
-    if (best.score == -DDTREE_INF) break;  // uniform: every thread saw the same winner
-    const int n = ++popped;
-    // Every warp writes the (identical) node record itself so its own later reads see it.
+  if (tid < 32) {
+    // Slot 0: the best depth-1 token. Lane l owns slots l, l + 32, ...; (best_key, best_lex,
+    // best_slot) is the best of its slots (key 0: none).
+    uint32_t best_key = 0;
+    uint64_t best_lex = 0;
+    int best_slot = -1;
     if (lane == 0) {
-      node_parent[n] = (int16_t)best.parent;
-      node_rank[n] = (int16_t)best.rank;
-      node_depth[n] = (int8_t)best.depth;
-      node_score[n] = best.score;
+      slot_key[0] = counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u;
+      slot_info[0] = ddtree_pack_slot(0, 0, 1);
+      slot_lex[0] = ddtree_lex_extend(0, 0, 1, bits);
+      best_key = slot_key[0];
+      best_lex = slot_lex[0];
+      best_slot = 0;
     }
     __syncwarp();
-    if (popped == budget) break;
-    const int d = best.depth;
-    const bool has_child = d < draft_len && counts[d] > 0;
-    const bool has_sibling = best.rank + 1 < counts[d - 1];
-    const bool owns_popped = tid == best_slot;
-    const bool owns_fresh = has_child && has_sibling && tid == size;
-    if (owns_popped) {
-      if (has_child) {
-        mine = {best.score + lp[d * top_k], n, 0, d + 1};
-      } else if (has_sibling) {
-        mine = {node_score[best.parent] + lp[(d - 1) * top_k + best.rank + 1], best.parent,
-                best.rank + 1, d};
-      } else {
-        mine.score = -DDTREE_INF;
+    int size = 1, popped = 0;
+    while (popped < budget) {
+      const uint32_t top = __reduce_max_sync(DDTREE_FULL, best_key);
+      if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
+      bool in = best_key == top;
+      uint32_t tied = __ballot_sync(DDTREE_FULL, in);
+      if ((tied & (tied - 1)) != 0) {
+        // Equal scores: the smallest packed tuple prefix (high word, then low word) ...
+        // (every lane takes part in each reduction: no short-circuit around them).
+        const uint32_t hi = in ? (uint32_t)(best_lex >> 32) : ~0u;
+        const uint32_t min_hi = __reduce_min_sync(DDTREE_FULL, hi);
+        in = in && hi == min_hi;
+        const uint32_t lo = in ? (uint32_t)best_lex : ~0u;
+        const uint32_t min_lo = __reduce_min_sync(DDTREE_FULL, lo);
+        in = in && lo == min_lo;
+        tied = __ballot_sync(DDTREE_FULL, in);
+      }
+      int win = __shfl_sync(DDTREE_FULL, best_slot, __ffs(tied) - 1);
+      if ((tied & (tied - 1)) != 0) {
+        // ... and equal prefixes (tuples deeper than the packed depths): walk the parents.
+        for (uint32_t rest = tied & (tied - 1); rest != 0; rest &= rest - 1) {
+          const int other = __shfl_sync(DDTREE_FULL, best_slot, __ffs(rest) - 1);
+          if (ddtree_slot_lex_less(slot_info[other], slot_info[win], node_parent, node_rank)) {
+            win = other;
+          }
+        }
+      }
+      const uint32_t info = slot_info[win];
+      const uint64_t lex = slot_lex[win];
+      const float score = ddtree_key_to_float(top);
+      const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
+      const int n = ++popped;
+      if (lane == 0) {
+        node_parent[n] = (int16_t)parent;
+        node_rank[n] = (int16_t)rank;
+        node_depth[n] = (int8_t)depth;
+        node_score[n] = score;
+        node_lex[n] = lex;
+      }
+      __syncwarp();
+      if (popped == budget) break;
+      const bool has_child = depth < draft_len && counts[depth] > 0;
+      const bool has_sibling = rank + 1 < counts[depth - 1];
+      const uint32_t sibling_key =
+          has_sibling ? ddtree_order_key(node_score[parent] + lp[(depth - 1) * top_k + rank + 1] +
+                                         0.0f)
+                      : 0u;
+      const uint32_t sibling_info = ddtree_pack_slot(parent, rank + 1, depth);
+      const uint64_t sibling_lex = ddtree_lex_extend(node_lex[parent], rank + 1, depth, bits);
+      // The popped slot takes the first child, else the next sibling; a fresh slot takes the
+      // sibling when there are both.
+      const int owner = win & 31;
+      if (lane == owner) {
+        if (has_child) {
+          slot_key[win] = ddtree_order_key(score + lp[depth * top_k] + 0.0f);
+          slot_info[win] = ddtree_pack_slot(n, 0, depth + 1);
+          slot_lex[win] = ddtree_lex_extend(lex, 0, depth + 1, bits);
+        } else {
+          slot_key[win] = sibling_key;
+          slot_info[win] = sibling_info;
+          slot_lex[win] = sibling_lex;
+        }
+      }
+      int fresh = -1;
+      if (has_child && has_sibling) {
+        fresh = size++;
+        if (lane == (fresh & 31)) {
+          slot_key[fresh] = sibling_key;
+          slot_info[fresh] = sibling_info;
+          slot_lex[fresh] = sibling_lex;
+        }
+      }
+      __syncwarp();
+      if (lane == owner) {
+        best_key = 0;
+        best_slot = -1;
+        for (int sl = lane; sl < size; sl += 32) {
+          const uint32_t k = slot_key[sl];
+          if (k == 0u) continue;
+          const uint64_t l = slot_lex[sl];
+          if (best_slot < 0 || ddtree_cand_better(k, l, slot_info[sl], best_key, best_lex,
+                                                  slot_info[best_slot], node_parent, node_rank)) {
+            best_key = k;
+            best_lex = l;
+            best_slot = sl;
+          }
+        }
+      } else if (fresh >= 0 && lane == (fresh & 31) && sibling_key != 0u) {
+        if (best_slot < 0 || ddtree_cand_better(sibling_key, sibling_lex, sibling_info, best_key,
+                                                best_lex, slot_info[best_slot], node_parent,
+                                                node_rank)) {
+          best_key = sibling_key;
+          best_lex = sibling_lex;
+          best_slot = fresh;
+        }
       }
     }
-    if (owns_fresh) {
-      mine = {node_score[best.parent] + lp[(d - 1) * top_k + best.rank + 1], best.parent,
-              best.rank + 1, d};
-    }
-    if (owns_popped || owns_fresh) {
-      slot_parent[tid] = mine.parent;
-      slot_rank[tid] = mine.rank;
-      slot_depth[tid] = mine.depth;
-    }
-    __syncwarp();
-    if (has_child && has_sibling) ++size;
+    if (lane == 0) total = 1 + popped;
   }
   __syncthreads();
-  const int count = 1 + popped;
+  const int count = total;
   const int64_t base = b * (int64_t)num_nodes_max;
   for (int i = tid; i < num_nodes_max; i += blockDim.x) {
     if (i == 0) {

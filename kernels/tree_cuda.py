@@ -39,6 +39,7 @@ _TOPK_LOADS = 2
 _TOPK_MIN_BLOCKS = 2
 """Blocks of ``ddtree_build_topk`` resident per SM (its ``__launch_bounds__``)."""
 _MERGE_THREADS = 512
+_SELECT_THREADS = 128
 _ACCEPT_THREADS = 256
 _ACCEPT_LOGIT_THREADS = 1024
 _COMMIT_THREADS = 128
@@ -46,8 +47,9 @@ _COMMIT_COLS = 64
 _MAX_SMEM_BYTES = 200 * 1024
 """Dynamic shared memory a block may ask for (under the 227 KiB opt-in of sm_90 and sm_100;
 sm_120 offers about 99 KiB, where ``build_tree_plan`` is called with a smaller limit)."""
-_STATIC_SMEM_RESERVE = 20 * 1024
-"""Upper bound of any of these kernels' static shared memory."""
+_STATIC_SMEM_RESERVE = 36 * 1024
+"""Upper bound of any of these kernels' static shared memory (the select kernel's node and
+frontier tables take about 33 KiB)."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,6 @@ def build_tree_plan(
     merge_smem = (num_chunks * keep + sort_size) * 8
     lp_bytes = draft_len * top_k * 4
     lp_in_smem = lp_bytes <= min(max_smem_bytes, 96 * 1024)
-    select_threads = 32 * max(1, -(-max_budget // 32))
     return BuildTreePlan(
         top_k=top_k,
         tile=tile,
@@ -166,7 +167,7 @@ def build_tree_plan(
         ),
         loads=loads,
         select=jit.LaunchParams(
-            (batch_size, 1, 1), (select_threads, 1, 1), lp_bytes if lp_in_smem else 0
+            (batch_size, 1, 1), (_SELECT_THREADS, 1, 1), lp_bytes if lp_in_smem else 0
         ),
     )
 
@@ -199,7 +200,7 @@ def commit_kv_launch_params(batch_size: int, row_bytes: int) -> jit.LaunchParams
 def _build_kernel(entry: str, dtype_code: int, loads: int, index: int) -> Any:
     defines = {"DDTREE_DTYPE": dtype_code, "LOADS": loads}
     kernel = jit.get_kernel("build_tree.cu", entry, defines, index)
-    # Allow the largest dynamic size once (static shared memory stays under 16 KiB), so any
+    # Allow the largest dynamic size once (static shared memory stays under 36 KiB), so any
     # smaller size of a later launch fits too.
     jit.set_max_dynamic_smem(kernel, _max_smem(index), index)
     return kernel

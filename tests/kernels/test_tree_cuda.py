@@ -118,6 +118,34 @@ def test_build_tree_non_finite_rows(vocab_size: int) -> None:
     assert_equal(actual.num_nodes, expected.num_nodes, "num_nodes")
 
 
+@pytest.mark.parametrize(
+    ("possible", "budget", "dtype"),
+    [(2, 1024, torch.float32), (3, 1024, torch.bfloat16), (2, 64, torch.float16), (4, 7, None)],
+)
+def test_build_tree_exact_ties_follow_rank_tuple_order(
+    possible: int, budget: int, dtype: torch.dtype | None
+) -> None:
+    """Rows of ``possible`` equal logits (the rest ``-inf``): every node of a depth has the same
+    score, so the whole order comes from the rank-tuple tie-break, down to depths past the
+    select kernel's packed tuple prefix (5 depths at budget 1024), where it walks parents."""
+    batch_size, draft_len, vocab_size = 3, 12, 2048
+    gen = torch.Generator().manual_seed(possible * budget)
+    logits = torch.full((batch_size, draft_len, vocab_size), float("-inf"))
+    for b in range(batch_size):
+        for d in range(draft_len):
+            picked = torch.randperm(vocab_size, generator=gen)[:possible]
+            logits[b, d, picked] = 1.5
+    logits = logits.to(dtype or torch.float32).cuda()
+    roots = torch.arange(batch_size, device="cuda")
+    expected = reference.build_tree(logits, roots, budget)
+    _poison_allocator()
+    actual = tree_cuda.build_tree(logits, roots, budget)
+    # Each implementation gives every possible token of a row the same log-prob, so the tie
+    # structure (and with it every integer field) is the reference's even if log(possible)
+    # differs in the last bit.
+    assert_same_tree(actual, expected, log_prob_atol=1e-6)
+
+
 def test_build_tree_ragged_and_padded_budgets() -> None:
     logits = draft_logits(7, 6, 3000, seed=5, dtype=torch.bfloat16, device="cuda")
     roots = torch.randint(0, 3000, (7,), device="cuda")
