@@ -53,7 +53,7 @@ MAX_MODEL_LABEL_CHARS = 64
 MAX_PAGE_SIZE = 256
 """Largest KV-cache ``page_size`` the ops support."""
 
-_MODEL_RE = re.compile(r"^[A-Za-z0-9_.:-]*$")
+_MODEL_RE = re.compile(r"[A-Za-z0-9_.:-]*")
 _DTYPE_NAMES = {
     torch.bfloat16: "BFLOAT16",
     torch.float16: "FLOAT16",
@@ -226,7 +226,7 @@ def validate_model_label(field: str, model: str) -> None:
     InvalidModelLabel
         The label is too long or holds another character.
     """
-    if len(model) > MAX_MODEL_LABEL_CHARS or not _MODEL_RE.match(model):
+    if len(model) > MAX_MODEL_LABEL_CHARS or not _MODEL_RE.fullmatch(model):
         raise InvalidModelLabel(
             f"{field}: expected at most {MAX_MODEL_LABEL_CHARS} characters of "
             f"[A-Za-z0-9_.:-], got {model[:80]!r}",

@@ -82,7 +82,7 @@ TOKEN_BYTES = 24
 MAX_CLIENT_ID_CHARS = 64
 """Longest ``client_id``."""
 
-_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]*$")
+_CLIENT_ID_RE = re.compile(r"[A-Za-z0-9_.:-]*")
 _MAX_TOKEN_CHARS = 128
 _SWEEP_INTERVAL_S = 1.0
 _MAX_CACHED_EVENTS = 64
@@ -681,7 +681,7 @@ def check_client_id(field: str, client_id: str) -> None:
     InvalidArgument
         Too long, or another character.
     """
-    if len(client_id) > MAX_CLIENT_ID_CHARS or not _CLIENT_ID_RE.match(client_id):
+    if len(client_id) > MAX_CLIENT_ID_CHARS or not _CLIENT_ID_RE.fullmatch(client_id):
         raise InvalidArgument(
             f"{field}: expected at most {MAX_CLIENT_ID_CHARS} characters of [A-Za-z0-9_.:-], "
             f"got {client_id[:80]!r}",
