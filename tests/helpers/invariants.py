@@ -6,7 +6,12 @@ import torch
 
 from ddtree.kernels.types import Acceptance, Tree
 
-__all__ = ["ancestor_matrix", "assert_acceptance_valid", "assert_tree_valid"]
+__all__ = [
+    "ancestor_matrix",
+    "assert_acceptance_valid",
+    "assert_tree_valid",
+    "has_near_ties",
+]
 
 
 def ancestor_matrix(parents: list[int], num_nodes: int, num_nodes_max: int) -> torch.Tensor:
@@ -18,6 +23,16 @@ def ancestor_matrix(parents: list[int], num_nodes: int, num_nodes_max: int) -> t
             matrix[i, j] = True
             j = parents[j]
     return matrix
+
+
+def has_near_ties(tree: Tree, rel: float = 1e-5) -> bool:
+    """Whether two popped scores of one request lie within ``rel`` of each other: a CUDA
+    ``log_softmax`` that differs from torch's in the last bit can order such a pair the other
+    way (the contract then asks only for a valid tree of the same sorted log-probs)."""
+    scores = tree.log_probs[:, 1:].sort(dim=1, descending=True).values  # [batch, nodes - 1]
+    gap = (scores[:, 1:] - scores[:, :-1]).abs()  # [batch, nodes - 2]
+    finite = torch.isfinite(scores[:, 1:]) & torch.isfinite(scores[:, :-1])
+    return bool((finite & (gap <= rel * scores[:, 1:].abs())).any())
 
 
 def _mask_bits(words: list[int], num_nodes_max: int) -> list[bool]:

@@ -15,7 +15,7 @@ from helpers.generators import (
     random_tree,
     target_tokens_for,
 )
-from helpers.invariants import assert_acceptance_valid, assert_tree_valid
+from helpers.invariants import assert_acceptance_valid, assert_tree_valid, has_near_ties
 
 from ddtree.kernels import ErrorFlag, reference, tree_cuda
 from ddtree.kernels.types import Acceptance, Tree
@@ -40,18 +40,9 @@ def _tree_to(tree: Tree, device: str) -> Tree:
     return dataclasses.replace(tree, **fields)
 
 
-def _has_near_ties(tree: Tree, rel: float = 1e-5) -> bool:
-    """Whether two popped scores lie within ``rel``: the kernels' log-sum-exp may differ from
-    torch's in the last bit, which can flip such a pair without changing the tree's quality."""
-    scores = tree.log_probs[:, 1:].sort(dim=1, descending=True).values  # [batch, nodes - 1]
-    gap = (scores[:, 1:] - scores[:, :-1]).abs()  # [batch, nodes - 2]
-    finite = torch.isfinite(scores[:, 1:]) & torch.isfinite(scores[:, :-1])
-    return bool((finite & (gap <= rel * scores[:, 1:].abs())).any())
-
-
 def _assert_same_tree(actual: Tree, expected: Tree, *, exact_order: bool) -> None:
     assert_equal(actual.num_nodes, expected.num_nodes, "num_nodes")
-    if exact_order and not _has_near_ties(expected):
+    if exact_order and not has_near_ties(expected):
         assert_same_tree(actual, expected, log_prob_atol=1e-4)
         return
     # Score ties across depths may be broken differently: still a valid tree of the same
