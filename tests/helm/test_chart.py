@@ -119,6 +119,9 @@ def test_rendered_manifests_match_the_kubernetes_schemas(helm, values, version):
         ("serviceMonitor.interval=often", "serviceMonitor.interval"),
         ("unixSocket.hostPath=run/ddtree", "unixSocket.hostPath"),
         ("service.internalTrafficPolicy=Nearby", "service.internalTrafficPolicy"),
+        ("limits.maxRegionsPerClient=-1", "limits.maxRegionsPerClient"),
+        ("limits.memoryIdleTimeoutSeconds=0", "limits.memoryIdleTimeoutSeconds"),
+        ("keepalive.timeoutSecond=5", "Additional property timeoutSecond is not allowed"),
     ],
 )
 def test_schema_rejects_bad_values(helm, setting, complaint):
@@ -261,6 +264,67 @@ def test_server_settings_become_ddtree_environment_variables(helm):
     assert env["DDTREE_METRICS_HOST"] == "0.0.0.0"
     assert env["DDTREE_LISTEN"] == "0.0.0.0:50051"
     assert env["DDTREE_MAX_MESSAGE_BYTES"] == "536870912"
+
+
+def test_the_server_reads_every_rendered_setting_and_gets_the_chart_defaults(helm):
+    """The container's DDTREE_* environment, parsed by the server's own loader, gives the
+    values.yaml settings (and each of the server's own defaults where the chart keeps them)."""
+    from ddtree.service.config import ServiceConfig
+
+    env = env_of(server_container(render(helm)))
+    config = ServiceConfig.from_env({k: v for k, v in env.items() if k.startswith("DDTREE_")})
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    limits, keepalive = values["limits"], values["keepalive"]
+    assert config.max_registered_regions == limits["maxRegisteredRegions"]
+    assert config.max_registered_bytes == limits["maxRegisteredBytes"]
+    assert config.memory_idle_timeout_s == limits["memoryIdleTimeoutSeconds"]
+    assert config.bind_regions_to_client is limits["bindRegionsToClient"]
+    assert config.max_concurrent_calls_per_client == limits["maxConcurrentCallsPerClient"]
+    assert config.max_regions_per_client == limits["maxRegionsPerClient"]
+    assert config.max_registered_bytes_per_client == limits["maxRegisteredBytesPerClient"]
+    assert config.keepalive_time_s == keepalive["timeSeconds"]
+    assert config.keepalive_timeout_s == keepalive["timeoutSeconds"]
+    assert config.keepalive_permit_without_calls is keepalive["permitWithoutCalls"]
+    assert config.keepalive_min_ping_interval_s == keepalive["minPingIntervalSeconds"]
+    assert config.keepalive_max_ping_strikes == keepalive["maxPingStrikes"]
+    assert config.max_connection_idle_s == keepalive["maxConnectionIdleSeconds"]
+    assert config.max_connection_age_s == keepalive["maxConnectionAgeSeconds"]
+    assert config.max_connection_age_grace_s == keepalive["maxConnectionAgeGraceSeconds"]
+    # Where values.yaml keeps the server's defaults, the rendered pod changes nothing.
+    defaults = ServiceConfig()
+    for name in (
+        "max_registered_regions",
+        "max_registered_bytes",
+        "memory_idle_timeout_s",
+        "bind_regions_to_client",
+        "keepalive_time_s",
+        "keepalive_timeout_s",
+        "keepalive_max_ping_strikes",
+        "max_connection_age_grace_s",
+    ):
+        assert getattr(config, name) == getattr(defaults, name), name
+
+
+def test_limits_and_keepalive_settings_reach_the_container(helm):
+    env = env_of(
+        server_container(
+            render(
+                helm,
+                "--set",
+                "limits.maxRegionsPerClient=8",
+                "--set",
+                "limits.bindRegionsToClient=false",
+                "--set",
+                "limits.maxRegisteredBytesPerClient=68719476736",
+                "--set",
+                "keepalive.maxConnectionIdleSeconds=300",
+            )
+        )
+    )
+    assert env["DDTREE_MAX_REGIONS_PER_CLIENT"] == "8"
+    assert env["DDTREE_BIND_REGIONS_TO_CLIENT"] == "0"
+    assert env["DDTREE_MAX_REGISTERED_BYTES_PER_CLIENT"] == "68719476736"
+    assert env["DDTREE_MAX_CONNECTION_IDLE_S"] == "300"
 
 
 def test_metrics_disabled_renders_no_metrics_port_or_variable(helm):

@@ -96,6 +96,36 @@ spec:
           value: {{ ternary "1" "0" .Values.server.disableJit | quote }}
         - name: DDTREE_CACHE_DIR
           value: {{ .Values.kernelCache.mountPath | quote }}
+        - name: DDTREE_MAX_REGISTERED_REGIONS
+          value: {{ .Values.limits.maxRegisteredRegions | int64 | quote }}
+        - name: DDTREE_MAX_REGISTERED_BYTES
+          value: {{ .Values.limits.maxRegisteredBytes | int64 | quote }}
+        - name: DDTREE_MEMORY_IDLE_TIMEOUT_S
+          value: {{ .Values.limits.memoryIdleTimeoutSeconds | quote }}
+        - name: DDTREE_BIND_REGIONS_TO_CLIENT
+          value: {{ ternary "1" "0" .Values.limits.bindRegionsToClient | quote }}
+        - name: DDTREE_MAX_CONCURRENT_CALLS_PER_CLIENT
+          value: {{ .Values.limits.maxConcurrentCallsPerClient | int64 | quote }}
+        - name: DDTREE_MAX_REGIONS_PER_CLIENT
+          value: {{ .Values.limits.maxRegionsPerClient | int64 | quote }}
+        - name: DDTREE_MAX_REGISTERED_BYTES_PER_CLIENT
+          value: {{ .Values.limits.maxRegisteredBytesPerClient | int64 | quote }}
+        - name: DDTREE_KEEPALIVE_TIME_S
+          value: {{ .Values.keepalive.timeSeconds | quote }}
+        - name: DDTREE_KEEPALIVE_TIMEOUT_S
+          value: {{ .Values.keepalive.timeoutSeconds | quote }}
+        - name: DDTREE_KEEPALIVE_PERMIT_WITHOUT_CALLS
+          value: {{ ternary "1" "0" .Values.keepalive.permitWithoutCalls | quote }}
+        - name: DDTREE_KEEPALIVE_MIN_PING_INTERVAL_S
+          value: {{ .Values.keepalive.minPingIntervalSeconds | quote }}
+        - name: DDTREE_KEEPALIVE_MAX_PING_STRIKES
+          value: {{ .Values.keepalive.maxPingStrikes | int64 | quote }}
+        - name: DDTREE_MAX_CONNECTION_IDLE_S
+          value: {{ .Values.keepalive.maxConnectionIdleSeconds | quote }}
+        - name: DDTREE_MAX_CONNECTION_AGE_S
+          value: {{ .Values.keepalive.maxConnectionAgeSeconds | quote }}
+        - name: DDTREE_MAX_CONNECTION_AGE_GRACE_S
+          value: {{ .Values.keepalive.maxConnectionAgeGraceSeconds | quote }}
         {{- if .Values.unixSocket.enabled }}
         - name: DDTREE_UNIX_SOCKET_MODE
           value: {{ .Values.unixSocket.mode | quote }}
