@@ -9,7 +9,6 @@ import datetime
 import ipaddress
 import logging
 import stat
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from helpers.gates import Gate
 from helpers.ipc import HostMapper
 from helpers.service_inputs import BUDGET, Step, make_step
 from helpers.serving import ServerThread
@@ -231,29 +231,6 @@ def test_unix_socket_is_created_with_the_configured_mode(tmp_path: Path, mode: i
         assert stat.S_IMODE(info.st_mode) == (0o660 if mode is None else mode)
         with Client(thread.addresses[0], retry=NO_RETRY) as client:
             assert client.health(timeout_s=10) == "SERVING"
-
-
-class Gate:
-    """Engine observer holding every ``build_tree`` launch until released."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    @contextlib.contextmanager
-    def time_op(self, op: str, device: torch.device) -> Iterator[None]:
-        if op == "build_tree":
-            self.entered.set()
-            assert self.release.wait(30), "test never released the gate"
-        yield
-
-    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
-        return None
-
-    def observe_acceptance(
-        self, nodes: torch.Tensor, length: torch.Tensor, num_nodes: torch.Tensor, *, model: str = ""
-    ) -> None:
-        return None
 
 
 @pytest.fixture

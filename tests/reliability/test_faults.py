@@ -19,6 +19,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.gates import Gate
 from helpers.service_inputs import BUDGET, Step, make_step
 from helpers.serving import LogWatcher, ServerThread
 
@@ -181,32 +182,6 @@ def test_sigkill_and_restart_clients_carry_on(step: Step, tmp_path: Path, transp
             )
 
 
-class Gate:
-    """Engine observer that holds one op's launch until released, and records launches."""
-
-    def __init__(self, op: str) -> None:
-        self.op = op
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.launches: list[str] = []
-
-    @contextlib.contextmanager
-    def time_op(self, op: str, device: torch.device) -> Iterator[None]:
-        self.launches.append(op)
-        if op == self.op:
-            self.entered.set()
-            assert self.release.wait(30), "test never released the gate"
-        yield
-
-    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
-        return None
-
-    def observe_acceptance(
-        self, nodes: torch.Tensor, length: torch.Tensor, num_nodes: torch.Tensor, *, model: str = ""
-    ) -> None:
-        return None
-
-
 @contextlib.contextmanager
 def _serving(tmp_path: Path, **kwargs: object) -> Iterator[ServerThread]:
     config = ServiceConfig(listen=(f"unix:{tmp_path / 'd.sock'}",), device="cpu")
@@ -243,7 +218,7 @@ def test_calls_whose_deadline_expires_in_the_queue_never_run(
         assert torch.equal(first.result(timeout=30).tokens, step.tree.tokens)
     client.accept_tree(step.tree, step.target_tokens)
     # One held build, then only the good accept: the five timed-out calls never launched.
-    assert gate.launches == ["build_tree", "accept"]
+    assert gate.ops == ["build_tree", "accept"]
 
 
 @pytest.mark.parametrize("gated", ["commit_kv"], indirect=True)

@@ -8,7 +8,6 @@ falling back to the worker queue, leases of registered memory released when the 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from helpers.gates import Gate
 from helpers.ipc import HostMapper
 from helpers.service_inputs import BUDGET, Step, make_step
 from helpers.serving import ServerThread
@@ -35,43 +35,18 @@ from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 TREE_NAMES = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
 
 
-class Recorder:
-    """Engine observer that records which thread launched each op and can hold launches."""
-
-    def __init__(self) -> None:
-        self.threads: list[tuple[str, int]] = []
-        self.hold = threading.Event()
-        self.hold.set()
-        self.entered = threading.Event()
-
-    @contextlib.contextmanager
-    def time_op(self, op: str, device: torch.device) -> Iterator[None]:
-        self.threads.append((op, threading.get_ident()))
-        self.entered.set()
-        assert self.hold.wait(30), "test never released the hold"
-        yield
-
-    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
-        return None
-
-    def observe_acceptance(
-        self, nodes: torch.Tensor, length: torch.Tensor, num_nodes: torch.Tensor, *, model: str = ""
-    ) -> None:
-        return None
-
-
 @pytest.fixture
 def step() -> Step:
     return make_step(seed=11)
 
 
 @pytest.fixture
-def recorder() -> Recorder:
-    return Recorder()
+def recorder() -> Gate:
+    return Gate(None, released=True)
 
 
 @pytest.fixture
-def engine(recorder: Recorder) -> Iterator[Engine]:
+def engine(recorder: Gate) -> Iterator[Engine]:
     with Engine(device="cpu", backend="reference", observer=recorder) as made:
         made.warm_up()
         made.inline_ops = True
@@ -89,7 +64,7 @@ def build_call(step: Step, **overrides: object) -> BuildTreeCall:
 
 
 def test_inline_call_runs_on_the_calling_thread_with_the_worker_result(
-    engine: Engine, recorder: Recorder, step: Step
+    engine: Engine, recorder: Gate, step: Step
 ) -> None:
     inline = engine.build_tree(build_call(step), inline=True)
     assert inline.done()
@@ -97,7 +72,7 @@ def test_inline_call_runs_on_the_calling_thread_with_the_worker_result(
     for name in TREE_NAMES:
         assert torch.equal(getattr(inline.result(), name), getattr(queued, name)), name
         assert torch.equal(getattr(queued, name), getattr(step.tree, name)), name
-    (_, inline_thread), (_, worker_thread) = recorder.threads
+    (_, inline_thread), (_, worker_thread) = recorder.launches
     assert inline_thread == threading.get_ident()
     assert worker_thread != threading.get_ident()
 
@@ -114,12 +89,12 @@ def test_inline_accept_matches_the_worker(engine: Engine, step: Step) -> None:
 
 
 def test_without_inline_ops_the_worker_runs_the_call(
-    engine: Engine, recorder: Recorder, step: Step
+    engine: Engine, recorder: Gate, step: Step
 ) -> None:
     engine.inline_ops = False
     tree = engine.build_tree(build_call(step), inline=True).result(timeout=30)
     assert torch.equal(tree.tokens, step.tree.tokens)
-    assert recorder.threads[-1][1] != threading.get_ident()
+    assert recorder.launches[-1][1] != threading.get_ident()
 
 
 def test_inline_errors_come_through_the_future(engine: Engine, step: Step) -> None:
@@ -131,17 +106,15 @@ def test_inline_errors_come_through_the_future(engine: Engine, step: Step) -> No
         future.result()
 
 
-def test_an_expired_deadline_is_not_run_inline(
-    engine: Engine, recorder: Recorder, step: Step
-) -> None:
+def test_an_expired_deadline_is_not_run_inline(engine: Engine, recorder: Gate, step: Step) -> None:
     future = engine.build_tree(build_call(step, deadline_s=time.monotonic() - 1), inline=True)
     with pytest.raises(DeadlineExceeded):
         future.result()
-    assert recorder.threads == []
+    assert recorder.launches == []
 
 
 def test_a_call_waiting_on_a_caller_event_goes_to_the_worker(step: Step) -> None:
-    recorder = Recorder()
+    recorder = Gate(None, released=True)
     # A mapper gives the engine IPC support, so the call may carry an event handle.
     with Engine(
         device="cpu", backend="reference", observer=recorder, ipc_mapper=HostMapper()
@@ -151,21 +124,21 @@ def test_a_call_waiting_on_a_caller_event_goes_to_the_worker(step: Step) -> None
         call = build_call(step, wait_event_ipc_handle=bytes(64))
         tree = engine.build_tree(call, inline=True).result(timeout=30)
     assert torch.equal(tree.tokens, step.tree.tokens)
-    assert recorder.threads[-1][1] != threading.get_ident()
+    assert recorder.launches[-1][1] != threading.get_ident()
 
 
 def test_a_busy_device_queues_the_call_on_the_worker(
-    engine: Engine, recorder: Recorder, step: Step
+    engine: Engine, recorder: Gate, step: Step
 ) -> None:
-    recorder.hold.clear()
+    recorder.release.clear()
     first = engine.build_tree(build_call(step))
     assert recorder.entered.wait(30)
     second = engine.build_tree(build_call(step), inline=True)
     assert not second.done()  # the device is busy: queued, not run on this thread
-    recorder.hold.set()
+    recorder.release.set()
     assert torch.equal(first.result(timeout=30).tokens, step.tree.tokens)
     assert torch.equal(second.result(timeout=30).tokens, step.tree.tokens)
-    assert all(thread != threading.get_ident() for _, thread in recorder.threads)
+    assert all(thread != threading.get_ident() for _, thread in recorder.launches)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.gates import Gate
 from helpers.service_inputs import BUDGET, Step, make_step
 from helpers.serving import LogWatcher, ServerThread
 
@@ -33,35 +33,6 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 @pytest.fixture(scope="module")
 def step() -> Step:
     return make_step()
-
-
-class Gate:
-    """Engine observer that holds ``build_tree`` launches until released, and counts them."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.launches: list[str] = []
-        self.fail_op: str | None = None
-        self.failure: Exception = RuntimeError("secret internal detail")
-
-    @contextlib.contextmanager
-    def time_op(self, op: str, device: torch.device) -> Iterator[None]:
-        self.launches.append(op)
-        if op == self.fail_op:
-            raise self.failure
-        if op == "build_tree":
-            self.entered.set()
-            assert self.release.wait(30), "test never released the gate"
-        yield
-
-    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
-        return None
-
-    def observe_acceptance(
-        self, nodes: torch.Tensor, length: torch.Tensor, num_nodes: torch.Tensor, *, model: str = ""
-    ) -> None:
-        return None
 
 
 class Calls:
@@ -160,7 +131,7 @@ def test_client_deadline_cancels_queued_work(tmp_path: Path, step: Step, gate: G
             assert torch.equal(first.result(timeout=30), step.tree.tokens)
             assert torch.equal(build(client, step), step.tree.tokens)
         # The timed-out call was dropped from the queue and never launched.
-        assert gate.launches == ["build_tree", "build_tree"]
+        assert gate.ops == ["build_tree", "build_tree"]
     finally:
         thread.stop()
 
