@@ -134,7 +134,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     call_observer : CallObserver, optional
         Told when each call starts and ends (metrics).
     on_failure : callable, optional
-        Called after every failed call (the server checks there for a poisoned device).
+        Called after every failed call except INVALID_ARGUMENT (the server checks there for a
+        poisoned device; a request refused by validation or by the kernels' error flags got an
+        answer from a working device, and a storm of bad requests must not become a storm of
+        device synchronisations).
 
     Notes
     -----
@@ -235,7 +238,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     request_id,
                 )
             finally:
-                if code != "OK" and self._on_failure is not None:
+                if code not in ("OK", "INVALID_ARGUMENT") and self._on_failure is not None:
                     await self._on_failure()
                 if self._observer is not None:
                     self._observer.rpc_finished(
@@ -288,8 +291,8 @@ class Server:
 
         The engine marks itself poisoned when torch raises a device error in an op. A sticky
         CUDA error can also first surface elsewhere (a kernel launch through cuda-python, an
-        IPC mapping, a copy in the servicer), so every failed call also starts a probe of the
-        device context in the background (``device_failure``; nothing to probe on the CPU), one
+        IPC mapping, a copy in the servicer), so every failed call but INVALID_ARGUMENT also starts
+        a probe of the device context in the background (``device_failure``; nothing to probe on the CPU), one
         at a time; the failed call's answer does not wait for it.
         """
         if self.failed.is_set():
