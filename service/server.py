@@ -291,9 +291,9 @@ class Server:
 
         The engine marks itself poisoned when torch raises a device error in an op. A sticky
         CUDA error can also first surface elsewhere (a kernel launch through cuda-python, an
-        IPC mapping, a copy in the servicer), so every failed call but INVALID_ARGUMENT also starts
-        a probe of the device context in the background (``device_failure``; nothing to probe on the CPU), one
-        at a time; the failed call's answer does not wait for it.
+        IPC mapping, a copy in the servicer), so every failed call but INVALID_ARGUMENT also
+        starts a probe of the device context in the background (``device_failure``; nothing to
+        probe on the CPU), one at a time; the failed call's answer does not wait for it.
         """
         if self.failed.is_set():
             return
