@@ -307,12 +307,18 @@ def compare_responses(rpc: str, expected: Any, got: Any, path: str = "") -> None
 
 def _trees_agree(name: str, expected: Any, got: Any) -> bool:
     """A CUDA tree against the reference's under the contract of ``kernels.build_tree``: node
-    for node (then False, and ``compare_responses`` checks field by field) unless two of the
-    reference's scores lie within 1e-5 of each other, which a last-bit difference of the CUDA
-    log-softmax may order the other way; then any valid tree with the same sorted log-probs
-    within 1e-5 agrees (True; a failure is recorded in ``numeric_mismatches``)."""
+    for node (then False, and ``compare_responses`` checks field by field) unless a last-bit
+    difference of the CUDA log-softmax may legitimately change it: two of the reference's scores
+    within 1e-5 of each other (they may come out in the other order), or a node of probability 0
+    (a score like -3e38, which one more ulp turns into -inf, an impossible prefix). Then any
+    valid tree agrees whose node probabilities, sorted, match within 1e-5 relative (True; a
+    failure is recorded in ``numeric_mismatches``)."""
     want = decode_tree(expected)
-    if not has_near_ties(want) or list(expected.tokens.shape) != list(got.tokens.shape):
+    want_probs = want.log_probs.double().exp()  # [batch, nodes]; -inf and -3e38 give 0
+    vanishing = bool((torch.isfinite(want.log_probs) & (want_probs == 0)).any())
+    if not (has_near_ties(want) or vanishing) or list(expected.tokens.shape) != list(
+        got.tokens.shape
+    ):
         return False
     have = decode_tree(got)
     try:
@@ -320,13 +326,11 @@ def _trees_agree(name: str, expected: Any, got: Any) -> bool:
     except AssertionError as err:
         numeric_mismatches.append(f"{name}: not a valid tree ({err})")
         return True
-    want_sorted = want.log_probs.sort(dim=1, descending=True).values  # [batch, nodes]
-    have_sorted = have.log_probs.sort(dim=1, descending=True).values  # [batch, nodes]
-    finite = want_sorted.isfinite()
-    if not torch.equal(finite, have_sorted.isfinite()) or not torch.allclose(
-        have_sorted[finite], want_sorted[finite], atol=1e-5, rtol=1e-5
-    ):
-        numeric_mismatches.append(f"{name}: sorted log_probs differ")
+    have_probs = have.log_probs.double().exp()  # [batch, nodes]
+    want_sorted = want_probs.sort(dim=1, descending=True).values
+    have_sorted = have_probs.sort(dim=1, descending=True).values
+    if not torch.allclose(have_sorted, want_sorted, rtol=1e-5, atol=0.0):
+        numeric_mismatches.append(f"{name}: sorted node probabilities differ")
     return True
 
 
@@ -1478,8 +1482,9 @@ def test_cases_total() -> None:
 
 def test_cuda_tree_comparison_follows_the_contract() -> None:
     """``compare_responses`` on trees: with exact score ties (rows of two equal logits) a tree
-    that orders tied siblings the other way agrees, one with a changed score does not; without
-    near ties every integer difference is reported."""
+    that orders tied siblings the other way agrees, one with a changed score does not; a tree
+    without a last node of probability 0 agrees; without near ties every integer difference is
+    reported."""
     logits = torch.full((2, 3, 50), -math.inf)
     logits[:, :, 7] = logits[:, :, 11] = 2.0
     tied = kernels.reference.build_tree(logits, torch.tensor([0, 1]), 6)
@@ -1496,8 +1501,15 @@ def test_cuda_tree_comparison_follows_the_contract() -> None:
     compare_responses("build_tree", convert.tree_to_proto(tied), convert.tree_to_proto(swapped))
     assert numeric_mismatches == []
     compare_responses("build_tree", convert.tree_to_proto(tied), convert.tree_to_proto(lowered))
-    assert numeric_mismatches == ["build_tree: sorted log_probs differ"]
+    assert numeric_mismatches == ["build_tree: sorted node probabilities differ"]
     del numeric_mismatches[:]
+    # A last node of probability 0 (score -1e38) missing: the same total probability.
+    extreme = torch.full((1, 5, 8), -math.inf)
+    extreme[:, :, 0], extreme[:, :, 1] = 1e38, 0.0
+    full = kernels.reference.build_tree(extreme, torch.tensor([0]), 12)
+    short = kernels.reference.build_tree(extreme, torch.tensor([0]), 11, max_budget=12)
+    compare_responses("build_tree", convert.tree_to_proto(full), convert.tree_to_proto(short))
+    assert numeric_mismatches == []
     compare_responses("build_tree", convert.tree_to_proto(random), convert.tree_to_proto(moved))
     assert numeric_mismatches == ["build_tree.tokens: 1 bytes differ, first at byte 8"]
     del numeric_mismatches[:]
