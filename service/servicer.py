@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from ddtree.service import convert
 from ddtree.service.access import client_identity
@@ -29,6 +30,7 @@ from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 __all__ = ["TreeSpeculationServicer"]
 
 _T = TypeVar("_T")
+_C = TypeVar("_C")
 
 _OFFLOAD_BYTES = 1 << 20
 """Requests and responses larger than this are converted on a helper thread: copying hundreds
@@ -94,6 +96,27 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         """
         return self._active == 1 and byte_size <= _OFFLOAD_BYTES
 
+    async def _run(
+        self,
+        request: Message,
+        context: grpc.aio.ServicerContext,
+        decode: Callable[..., _C],
+        submit: Callable[..., Future[_T]],
+    ) -> tuple[_C, _T]:
+        """One data call: ``decode(request, resolver, deadline_s=...)`` for the caller's
+        identity, then ``submit(call, inline=...)`` on the engine, awaited within the call's
+        deadline budget; returns the decoded call and the result."""
+        budget_s = self._budget_s(context)
+        deadline_s = time.monotonic() + budget_s
+        resolver = self._resolver.for_owner(client_identity(context))
+        byte_size = request.ByteSize()
+        with self._counted():
+            call = await _convert(
+                byte_size, lambda: decode(request, resolver, deadline_s=deadline_s)
+            )
+            result = await self._await(submit(call, inline=self._inline(byte_size)), budget_s)
+        return call, result
+
     async def _await(self, future: Future[_T], budget_s: float) -> _T:
         if future.done():  # ran inline
             return future.result()
@@ -156,17 +179,9 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         self, request: pb.BuildTreeRequest, context: grpc.aio.ServicerContext
     ) -> pb.BuildTreeResponse:
         """Build the draft trees."""
-        budget_s = self._budget_s(context)
-        deadline_s = time.monotonic() + budget_s
-        resolver = self._resolver.for_owner(client_identity(context))
-        byte_size = request.ByteSize()
-        with self._counted():
-            call = await _convert(
-                byte_size, lambda: convert.build_tree_call(request, resolver, deadline_s=deadline_s)
-            )
-            tree = await self._await(
-                self._engine.build_tree(call, inline=self._inline(byte_size)), budget_s
-            )
+        call, tree = await self._run(
+            request, context, convert.build_tree_call, self._engine.build_tree
+        )
         if call.out is not None:
             return pb.BuildTreeResponse(tree=convert.tree_refs_to_proto(request.outputs, tree))
         return pb.BuildTreeResponse(tree=convert.tree_to_proto(tree))
@@ -175,19 +190,9 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         self, request: pb.AcceptTreeRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcceptTreeResponse:
         """Walk the trees; commit the KV cache when asked and return it (sent inline)."""
-        budget_s = self._budget_s(context)
-        deadline_s = time.monotonic() + budget_s
-        resolver = self._resolver.for_owner(client_identity(context))
-        byte_size = request.ByteSize()
-        with self._counted():
-            call = await _convert(
-                byte_size,
-                lambda: convert.accept_tree_call(request, resolver, deadline_s=deadline_s),
-            )
-            result = await self._await(
-                self._engine.accept_tree(call, inline=self._inline(byte_size)), budget_s
-            )
-
+        call, result = await self._run(
+            request, context, convert.accept_tree_call, self._engine.accept_tree
+        )
         cache_is_ref = request.kv_commit.kv_cache.WhichOneof("data") == "ref"
 
         def respond() -> pb.AcceptTreeResponse:
@@ -206,18 +211,9 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         self, request: pb.VerifyAttentionRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerifyAttentionResponse:
         """Tree-masked paged attention."""
-        budget_s = self._budget_s(context)
-        deadline_s = time.monotonic() + budget_s
-        resolver = self._resolver.for_owner(client_identity(context))
-        byte_size = request.ByteSize()
-        with self._counted():
-            call = await _convert(
-                byte_size,
-                lambda: convert.verify_attention_call(request, resolver, deadline_s=deadline_s),
-            )
-            out, lse = await self._await(
-                self._engine.verify_attention(call, inline=self._inline(byte_size)), budget_s
-            )
+        call, (out, lse) = await self._run(
+            request, context, convert.verify_attention_call, self._engine.verify_attention
+        )
 
         def respond() -> pb.VerifyAttentionResponse:
             return pb.VerifyAttentionResponse(
