@@ -19,7 +19,8 @@ _T = TypeVar("_T")
 
 
 class ServerThread:
-    """Runs ``create_server(config)`` in a background event loop until ``stop()``.
+    """Runs ``create_server(config)`` in a background event loop until ``stop()``; as a context
+    manager, ``start()`` on entry and ``stop()`` on exit.
 
     Parameters
     ----------
@@ -66,6 +67,13 @@ class ServerThread:
 
         self.server = self.run(start())
         return self.addresses
+
+    def __enter__(self) -> ServerThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
     def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         """Run ``coroutine`` on the server's loop and return its result."""

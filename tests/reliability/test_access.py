@@ -135,16 +135,6 @@ def _write(tmp_path: Path, name: str, data: bytes) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _serving(config: ServiceConfig, **kwargs: object) -> Iterator[ServerThread]:
-    thread = ServerThread(config, **kwargs)  # type: ignore[arg-type]
-    thread.start()
-    try:
-        yield thread
-    finally:
-        thread.stop()
-
-
 def _tls_config(tmp_path: Path, pki: Pki, *, mutual: bool, **kwargs: object) -> ServiceConfig:
     return ServiceConfig(
         listen=("127.0.0.1:0",),
@@ -165,7 +155,7 @@ def _tls(pki: Pki, client: Pem | None) -> TlsOptions:
 
 
 def test_mtls_refuses_clients_without_a_trusted_certificate(tmp_path: Path, pki: Pki) -> None:
-    with _serving(_tls_config(tmp_path, pki, mutual=True)) as thread:
+    with ServerThread(_tls_config(tmp_path, pki, mutual=True)) as thread:
         address = thread.addresses[0]
         with Client(address, tls=_tls(pki, pki.alice), retry=NO_RETRY) as trusted:
             assert trusted.server_info(timeout_s=10).version
@@ -186,7 +176,7 @@ def test_mtls_refuses_clients_without_a_trusted_certificate(tmp_path: Path, pki:
 def test_tls_without_client_ca_serves_clients_without_certificates(
     tmp_path: Path, pki: Pki
 ) -> None:
-    with _serving(_tls_config(tmp_path, pki, mutual=False)) as thread:
+    with ServerThread(_tls_config(tmp_path, pki, mutual=False)) as thread:
         address = thread.addresses[0]
         with Client(address, tls=_tls(pki, None), retry=NO_RETRY) as client:
             assert client.health(timeout_s=10) == "SERVING"
@@ -225,7 +215,7 @@ def test_unix_socket_is_created_with_the_configured_mode(tmp_path: Path, mode: i
     path = tmp_path / "d.sock"
     extra = {} if mode is None else {"unix_socket_mode": mode}
     config = ServiceConfig(listen=(f"unix:{path}",), device="cpu", **extra)  # type: ignore[arg-type]
-    with _serving(config) as thread:
+    with ServerThread(config) as thread:
         info = path.stat()
         assert stat.S_ISSOCK(info.st_mode)
         assert stat.S_IMODE(info.st_mode) == (0o660 if mode is None else mode)
@@ -248,7 +238,7 @@ def test_per_client_limit_counts_each_certificate_subject(
     tmp_path: Path, pki: Pki, step: Step, gate: Gate
 ) -> None:
     config = _tls_config(tmp_path, pki, mutual=True, max_concurrent_calls_per_client=1)
-    with _serving(config, engine_observer=gate) as thread, ThreadPoolExecutor(2) as pool:
+    with ServerThread(config, engine_observer=gate) as thread, ThreadPoolExecutor(2) as pool:
         address = thread.addresses[0]
         with (
             Client(address, tls=_tls(pki, pki.alice), retry=NO_RETRY) as alice,
@@ -278,7 +268,7 @@ def test_per_client_limit_on_plain_transports(
 ) -> None:
     address = "127.0.0.1:0" if transport == "tcp" else f"unix:{tmp_path / 'd.sock'}"
     config = ServiceConfig(listen=(address,), device="cpu", max_concurrent_calls_per_client=1)
-    with _serving(config, engine_observer=gate) as thread, ThreadPoolExecutor(1) as pool:
+    with ServerThread(config, engine_observer=gate) as thread, ThreadPoolExecutor(1) as pool:
         address = thread.addresses[0]
         with Client(address, retry=NO_RETRY) as client, Client(address, retry=NO_RETRY) as other:
             first = pool.submit(_build, client, step)
@@ -379,7 +369,10 @@ def test_region_tokens_never_reach_the_server_log(
     mapper = HostMapper()
     engine.memory = RegionTable(device=torch.device("cpu"), device_uuid=uuid, mapper=mapper)
     config = ServiceConfig(listen=(f"unix:{tmp_path / 'd.sock'}",), device="cpu")
-    with caplog.at_level(logging.DEBUG, logger="ddtree"), _serving(config, engine=engine) as thread:
+    with (
+        caplog.at_level(logging.DEBUG, logger="ddtree"),
+        ServerThread(config, engine=engine) as thread,
+    ):
         channel = grpc.insecure_channel(thread.addresses[0])
         stub = pb_grpc.TreeSpeculationServiceStub(channel)
         handle = mapper.export(torch.zeros(4096, dtype=torch.uint8))
@@ -477,7 +470,7 @@ def _tenancy(tmp_path: Path, pki: Pki, **settings: object) -> Iterator[Tenancy]:
     config = _tls_config(tmp_path, pki, mutual=True, **settings)
     mapper = HostMapper()
     engine = Engine(device="cpu", ipc_mapper=mapper, memory_limits=memory_limits(config))
-    with _serving(config, engine=engine) as thread, contextlib.ExitStack() as stack:
+    with ServerThread(config, engine=engine) as thread, contextlib.ExitStack() as stack:
         tenants = []
         for pem in (pki.alice, pki.bob):
             credentials = grpc.ssl_channel_credentials(pki.ca.cert, pem.key, pem.cert)

@@ -182,22 +182,15 @@ def test_sigkill_and_restart_clients_carry_on(step: Step, tmp_path: Path, transp
             )
 
 
-@contextlib.contextmanager
-def _serving(tmp_path: Path, **kwargs: object) -> Iterator[ServerThread]:
-    config = ServiceConfig(listen=(f"unix:{tmp_path / 'd.sock'}",), device="cpu")
-    thread = ServerThread(config, **kwargs)  # type: ignore[arg-type]
-    thread.start()
-    try:
-        yield thread
-    finally:
-        thread.stop()
+def _unix_config(tmp_path: Path) -> ServiceConfig:
+    return ServiceConfig(listen=(f"unix:{tmp_path / 'd.sock'}",), device="cpu")
 
 
 @pytest.fixture
 def gated(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Gate, Client]]:
     """A server whose engine holds the op named by the parameter, and a client without retries."""
     gate = Gate(request.param)
-    with _serving(tmp_path, engine_observer=gate) as thread:
+    with ServerThread(_unix_config(tmp_path), engine_observer=gate) as thread:
         with Client(thread.addresses[0], retry=NO_RETRY) as client:
             yield gate, client
         gate.release.set()  # never leave the worker blocked at teardown
@@ -280,7 +273,7 @@ with Client(sys.argv[1]) as client:
 
 def test_caller_killed_mid_call_does_not_disturb_others(tmp_path: Path, step: Step) -> None:
     calls = Calls()
-    with _serving(tmp_path, call_observer=calls) as thread:
+    with ServerThread(_unix_config(tmp_path), call_observer=calls) as thread:
         address = thread.addresses[0]
         caller = subprocess.Popen(
             [sys.executable, "-c", _KILLED_CLIENT, address], stdout=subprocess.PIPE, text=True
