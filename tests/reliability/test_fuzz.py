@@ -878,7 +878,7 @@ def build_expectation(request: pb.BuildTreeRequest, kind: str, change: Any) -> E
         return oracle_build(request)
     if kind == "model":
         request.model = change
-        if not _MODEL_RE.match(change):
+        if not _MODEL_RE.fullmatch(change):
             return error("INVALID_MODEL_LABEL", "build_tree.model")
         return oracle_build(request)
     if kind == "limits":
@@ -1005,7 +1005,7 @@ def accept_expectation(request: pb.AcceptTreeRequest, kind: str, change: Any) ->
         return error("MISSING_FIELD", "accept_tree.target")
     if kind == "model":
         request.model = change
-        if not _MODEL_RE.match(change):
+        if not _MODEL_RE.fullmatch(change):
             return error("INVALID_MODEL_LABEL", "accept_tree.model")
         return oracle_accept(request)
     request.ClearField("tree")
@@ -1070,7 +1070,7 @@ def verify_expectation(request: pb.VerifyAttentionRequest, kind: str, change: An
             return error("VALUE_OUT_OF_RANGE", "verify_attention.sm_scale")
         return oracle_verify(request)
     request.model = change
-    if not _MODEL_RE.match(change):
+    if not _MODEL_RE.fullmatch(change):
         return error("INVALID_MODEL_LABEL", "verify_attention.model")
     return oracle_verify(request)
 
@@ -1124,7 +1124,7 @@ def register_expectation(request: pb.RegisterMemoryRequest) -> Expect:
     """A GPU server's answer to a registration of random bytes (never a real handle)."""
     if len(request.ipc_handle) != 64:
         return error("INVALID_IPC_HANDLE", "register_memory.ipc_handle")
-    if not _MODEL_RE.match(request.client_id):
+    if not _MODEL_RE.fullmatch(request.client_id):
         return error("INVALID_ARGUMENT", "register_memory.client_id")
     if request.device_uuid != SERVER_UUID:
         return error("DEVICE_MISMATCH", "register_memory.device_uuid", "FAILED_PRECONDITION")
@@ -1154,7 +1154,7 @@ def test_memory_rpcs_fuzz(served: Served, inputs: Inputs) -> None:
         elif kind == "unregister":
             expect = error("MEMORY_TOKEN_NOT_FOUND", "unregister_memory.region_token", "NOT_FOUND")
             check(stub.UnregisterMemory, request, expect, "unregister_memory")
-        elif kind == "list" and SERVER_DEVICE == "cuda" and not _MODEL_RE.match(request.client_id):
+        elif kind == "list" and SERVER_DEVICE == "cuda" and not _MODEL_RE.fullmatch(request.client_id):
             expect = error("INVALID_ARGUMENT", "list_memory.client_id")
             check(stub.ListMemory, request, expect, "list_memory")
         elif kind == "list":
