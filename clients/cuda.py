@@ -6,6 +6,8 @@ sub-allocates tensors out of large ``cudaMalloc`` segments, so the unit of regis
 segment: ``locate`` finds a tensor's allocation base and offset with ``cuMemGetAddressRange``,
 ``ipc_mem_handle`` exports the base with ``cuIpcGetMemHandle``, and a ``MemoryRegistry`` keeps
 one token per allocation (keyed by the driver's never-reused buffer id) for every later call.
+An ``AllocationCache`` keeps what ``locate`` found per allocation, so a call costs one driver
+call per allocation it touches (the tensor's buffer id) instead of four per tensor.
 
 Export is impossible, and refused with an ``ExportError`` that says why, for CPU tensors, for
 memory of the ``cudaMallocAsync`` allocator backend and for expandable segments
@@ -24,7 +26,7 @@ import functools
 import os
 import secrets
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -37,6 +39,7 @@ from ddtree.v1 import tree_speculation_service_pb2 as pb
 __all__ = [
     "IPC_HANDLE_BYTES",
     "Allocation",
+    "AllocationCache",
     "ClientIpc",
     "ExportError",
     "MemoryRegistry",
@@ -45,6 +48,7 @@ __all__ = [
     "device_uuid",
     "ipc_mem_handle",
     "locate",
+    "query_buffer_id",
     "require_cuda_python",
 ]
 
@@ -95,6 +99,11 @@ class Allocation:
     buffer_id: int
     """The driver's id of the allocation, never reused within the process."""
 
+    @property
+    def end_pointer(self) -> int:
+        """Device address one past the allocation's last byte."""
+        return self.base_pointer + self.byte_size
+
 
 @functools.cache
 def device_uuid(index: int) -> str:
@@ -134,6 +143,19 @@ def _refusal_hint() -> str:
     )
 
 
+def _check_exportable(tensor: torch.Tensor, field: str) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
+        where = tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ExportError(
+            f"{field}: CUDA IPC exports CUDA tensors only, got one on {where}; move it to the "
+            "GPU or send it inline"
+        )
+    if tensor.numel() == 0:
+        raise ExportError(f"{field}: an empty tensor has no memory to export; send it inline")
+    if not tensor.is_contiguous():
+        raise ExportError(f"{field}: expected a C-contiguous tensor; pass {field}.contiguous()")
+
+
 def locate(tensor: torch.Tensor, field: str = "tensor") -> tuple[Allocation, int]:
     """The allocation holding ``tensor`` and the tensor's byte offset in it.
 
@@ -157,16 +179,7 @@ def locate(tensor: torch.Tensor, field: str = "tensor") -> tuple[Allocation, int
     ImportError
         cuda-python is missing (the ``cuda`` extra).
     """
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
-        where = tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise ExportError(
-            f"{field}: CUDA IPC exports CUDA tensors only, got one on {where}; move it to the "
-            "GPU or send it inline"
-        )
-    if tensor.numel() == 0:
-        raise ExportError(f"{field}: an empty tensor has no memory to export; send it inline")
-    if not tensor.is_contiguous():
-        raise ExportError(f"{field}: expected a C-contiguous tensor; pass {field}.contiguous()")
+    _check_exportable(tensor, field)
     if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
         raise ExportError(
             f"{field}: torch uses the cudaMallocAsync allocator backend "
@@ -214,6 +227,133 @@ def ipc_mem_handle(allocation: Allocation, device_index: int) -> bytes:
     if err != driver.CUresult.CUDA_SUCCESS:
         raise ExportError(f"cuIpcGetMemHandle failed with {err.name}: {_refusal_hint()}")
     return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+
+def query_buffer_id(pointer: int, device_index: int, field: str = "tensor") -> int:
+    """The driver's buffer id of the allocation holding device address ``pointer``.
+
+    One driver call (``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_BUFFER_ID)``); the id is unique
+    within the process and never reused, so it names one allocation for the process's lifetime.
+
+    Parameters
+    ----------
+    pointer : int
+        A device address inside a live allocation.
+    device_index : int
+        CUDA device of the allocation (its primary context is made current if no context is).
+    field : str
+        Name used in error messages.
+
+    Raises
+    ------
+    ExportError
+        The driver call failed (for example ``pointer`` is no device memory).
+    """
+    driver = require_cuda_python()
+    attribute = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID
+    err, value = driver.cuPointerGetAttribute(attribute, pointer)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        # A thread that never used the device may have no current context: make the device's
+        # primary context current and ask again.
+        with torch.cuda.device(device_index):
+            _ensure_context(driver, device_index)
+            err, value = driver.cuPointerGetAttribute(attribute, pointer)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ExportError(
+            f"{field}: cuPointerGetAttribute(BUFFER_ID) failed with {getattr(err, 'name', err)}"
+        )
+    return int(value)
+
+
+class AllocationCache:
+    """What ``locate`` found per allocation, checked per call by the allocation's buffer id.
+
+    A caller sends the same few allocations call after call (torch's caching allocator serves a
+    step's tensors from the segments of the last step), and ``locate`` costs four driver calls
+    per tensor. The cache keeps each ``Allocation`` under the driver's buffer id, and
+    ``find`` asks the driver for one thing per call: the buffer id of the memory the tensor
+    lives in now. Buffer ids are never reused within a process, so memory that the allocator
+    freed and a new ``cudaMalloc`` took over at the same address (``torch.cuda.empty_cache()``,
+    an out-of-memory retry) has a new id and misses; a cached entry can never describe memory
+    it does not hold. Within one request, a tensor whose bytes lie inside an allocation already
+    confirmed for another of the request's tensors costs no driver call at all: allocations
+    alive at once never overlap.
+
+    Parameters
+    ----------
+    max_entries : int
+        Entries kept; the cache starts over past it (entries of freed allocations are never
+        hit again, so they only take room).
+    buffer_id : callable, optional
+        ``(pointer, device_index, field) -> int``; by default ``query_buffer_id`` (one driver
+        call). Tests pass a fake driver.
+    describe : callable, optional
+        ``(tensor, field) -> (Allocation, offset_bytes)`` for a miss; by default ``locate``.
+
+    Notes
+    -----
+    Thread-safe: the clients of several threads may share one.
+    """
+
+    def __init__(
+        self,
+        max_entries: int = 1024,
+        *,
+        buffer_id: Callable[[int, int, str], int] | None = None,
+        describe: Callable[[torch.Tensor, str], tuple[Allocation, int]] | None = None,
+    ) -> None:
+        self.max_entries = max_entries
+        self._buffer_id = buffer_id or query_buffer_id
+        self._describe = describe or locate
+        self._lock = threading.Lock()
+        self._entries: dict[int, Allocation] = {}
+
+    def find(
+        self, tensor: torch.Tensor, field: str, confirmed: list[Allocation]
+    ) -> tuple[Allocation, int]:
+        """The allocation holding ``tensor`` and the tensor's byte offset in it (see ``locate``).
+
+        Parameters
+        ----------
+        tensor : torch.Tensor
+            A C-contiguous CUDA tensor with at least one element.
+        field : str
+            Name used in error messages.
+        confirmed : list of Allocation
+            Allocations already confirmed live for the same request (found by this method for
+            another of its tensors); a tensor inside one of them needs no driver call.
+
+        Raises
+        ------
+        ExportError
+            As ``locate``.
+        """
+        _check_exportable(tensor, field)
+        pointer = tensor.data_ptr()
+        end = pointer + tensor.numel() * tensor.element_size()
+        for allocation in confirmed:
+            if allocation.base_pointer <= pointer and end <= allocation.end_pointer:
+                return allocation, pointer - allocation.base_pointer
+        index = tensor.device.index if tensor.device.index is not None else 0
+        key = self._buffer_id(pointer, index, field)
+        allocation = self._entries.get(key)
+        if allocation is None:
+            allocation, _ = self._describe(tensor, field)
+            with self._lock:
+                if len(self._entries) >= self.max_entries:
+                    self._entries.clear()
+                self._entries[allocation.buffer_id] = allocation
+        if not allocation.base_pointer <= pointer or end > allocation.end_pointer:
+            # The driver's range and its buffer id disagree: never send such a reference.
+            raise ExportError(
+                f"{field}: bytes [{pointer:#x}, {end:#x}) are not inside the allocation "
+                f"[{allocation.base_pointer:#x}, {allocation.end_pointer:#x}) the driver named"
+            )
+        return allocation, pointer - allocation.base_pointer
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
 
 
 class MemoryRegistry:
@@ -285,16 +425,26 @@ class RequestRefs:
         it inline.
     server_device_uuid : str
         The server's GPU; tensors on another GPU cannot be referenced.
+    cache : AllocationCache, optional
+        Where allocations are looked up (the client's, shared by its requests); by default a
+        fresh one.
     """
 
     def __init__(
-        self, registry: MemoryRegistry, transport: TensorTransport, server_device_uuid: str
+        self,
+        registry: MemoryRegistry,
+        transport: TensorTransport,
+        server_device_uuid: str,
+        cache: AllocationCache | None = None,
     ) -> None:
         self._registry = registry
         self._transport = transport
         self._server_uuid = server_device_uuid
+        self._cache = cache if cache is not None else AllocationCache()
+        self._confirmed: list[Allocation] = []
         self._where: dict[int, tuple[Allocation, int]] = {}
         self._devices: set[int] = set()
+        self._tokens: dict[int, str] = {}  # buffer id -> token, once registered
 
     def add(self, tensors: Iterable[tuple[str, torch.Tensor | None]]) -> None:
         """Locate each ``(field, tensor)``; tensors that cannot be exported stay inline (auto).
@@ -309,7 +459,7 @@ class RequestRefs:
             if tensor is None or tensor.numel() == 0:
                 continue
             try:
-                allocation, offset = locate(tensor, field)
+                allocation, offset = self._cache.find(tensor, field, self._confirmed)
                 if allocation.device_uuid != self._server_uuid:
                     raise ExportError(
                         f"{field}: the tensor is on {allocation.device_uuid}, the server on "
@@ -319,6 +469,8 @@ class RequestRefs:
                 if self._transport == "ipc":
                     raise
                 continue
+            if allocation not in self._confirmed:
+                self._confirmed.append(allocation)
             self._where[id(tensor)] = (allocation, offset)
             self._devices.add(tensor.device.index or 0)
 
@@ -333,11 +485,15 @@ class RequestRefs:
 
     def missing(self) -> list[Allocation]:
         """Allocations of this request not yet registered, each once."""
-        seen: dict[tuple[str, int], Allocation] = {}
-        for allocation, _ in self._where.values():
-            key = (allocation.device_uuid, allocation.buffer_id)
-            if key not in seen and self._registry.token(allocation) is None:
-                seen[key] = allocation
+        seen: dict[int, Allocation] = {}
+        for allocation in self._confirmed:
+            if allocation.buffer_id in self._tokens or allocation.buffer_id in seen:
+                continue
+            token = self._registry.token(allocation)
+            if token is None:
+                seen[allocation.buffer_id] = allocation
+            else:
+                self._tokens[allocation.buffer_id] = token
         return list(seen.values())
 
     def ref_for(self, tensor: torch.Tensor) -> tensor_pb2.TensorRef | None:
@@ -346,9 +502,12 @@ class RequestRefs:
         if where is None:
             return None
         allocation, offset = where
-        token = self._registry.token(allocation)
+        token = self._tokens.get(allocation.buffer_id)
         if token is None:
-            raise RuntimeError("RequestRefs.ref_for: register missing() allocations first")
+            token = self._registry.token(allocation)
+            if token is None:
+                raise RuntimeError("RequestRefs.ref_for: register missing() allocations first")
+            self._tokens[allocation.buffer_id] = token
         return tensor_pb2.TensorRef(region_token=token, offset_bytes=offset)
 
 
@@ -379,6 +538,8 @@ class ClientIpc:
         require_cuda_python()
         self.transport: TensorTransport = transport
         self.registry = MemoryRegistry(client_id)
+        self.allocations = AllocationCache()
+        """Allocations this client located, checked per call by buffer id."""
         self.use_ipc_events = use_ipc_events
         self.server_uuid: str | None = None
         self.server_supports_refs = False
@@ -417,7 +578,7 @@ class ClientIpc:
                     "(it runs on the CPU or without cuda-python); use 'auto' or 'inline'"
                 )
             return None
-        refs = RequestRefs(self.registry, self.transport, self.server_uuid or "")
+        refs = RequestRefs(self.registry, self.transport, self.server_uuid or "", self.allocations)
         refs.add(tensors)
         return refs
 
