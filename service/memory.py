@@ -690,17 +690,21 @@ def check_client_id(field: str, client_id: str) -> None:
 
 
 class Leases:
-    """The regions one call uses: each resolved reference holds its region until ``release``.
+    """The regions one call uses: each region a reference resolves to is held until ``release``.
 
     Made by ``RegionTable.leases(owner)``; release it once the call's device work has finished
     (the engine does, from the call's future). ``release`` is idempotent. References resolve
-    only to regions ``owner`` may use (see ``MemoryLimits.bind_to_owner``).
+    only to regions ``owner`` may use (see ``MemoryLimits.bind_to_owner``). A call takes one
+    lease per region, however many of its references name it: the first reference to a token
+    looks the region up, later ones reuse it (a region leased by the call stays mapped until
+    the call ends, even when it is unregistered meanwhile).
     """
 
     def __init__(self, table: RegionTable, owner: str = "") -> None:
         self._table = table
         self._owner = owner
         self._regions: list[_Region] = []
+        self._held: dict[str, _Region] = {}  # token -> region leased by this call
         self._lock = threading.Lock()
         self._is_released = False
 
@@ -744,18 +748,11 @@ class Leases:
         DeviceMismatch
             The region is on another device than the call's.
         """
-        region = self._table._acquire(token, field, self._owner)
-        with self._lock:
-            if self._is_released:
-                self._table._release(region)
-                raise InvalidArgument(f"{field}: the call's leases were already released")
-            self._regions.append(region)
-        if region.device_uuid != self._table.device_uuid:
-            raise DeviceMismatch(
-                f"{field}.ref: the region is on {region.device_uuid}, the call runs on "
-                f"{self._table.device_uuid}",
-                field=f"{field}.ref",
-            )
+        region = self._held.get(token)
+        if region is None:
+            region = self._acquire(field, token)
+        elif self._is_released:
+            raise InvalidArgument(f"{field}: the call's leases were already released")
         key = (offset_bytes, dtype, tuple(shape))
         view = region.views.get(key)
         if view is not None:  # checked when it was made; the region's size never changes
@@ -771,6 +768,22 @@ class Leases:
         views[key] = view
         return view
 
+    def _acquire(self, field: str, token: str) -> _Region:
+        region = self._table._acquire(token, field, self._owner)
+        with self._lock:
+            if self._is_released:
+                self._table._release(region)
+                raise InvalidArgument(f"{field}: the call's leases were already released")
+            self._regions.append(region)
+            self._held[token] = region
+        if region.device_uuid != self._table.device_uuid:
+            raise DeviceMismatch(
+                f"{field}.ref: the region is on {region.device_uuid}, the call runs on "
+                f"{self._table.device_uuid}",
+                field=f"{field}.ref",
+            )
+        return region
+
     def release(self) -> None:
         """End every lease of the call; regions unregistered meanwhile close now."""
         with self._lock:
@@ -778,6 +791,7 @@ class Leases:
                 return
             self._is_released = True
             regions, self._regions = self._regions, []
+            self._held = {}
         for region in regions:
             self._table._release(region)
 

@@ -332,6 +332,35 @@ def test_unregister_during_call_defers_close_until_release() -> None:
     assert mapper.mapped == 0 and len(mapper.closed) == 1
 
 
+def test_a_call_takes_one_lease_per_region_and_keeps_it_across_unregister() -> None:
+    mapper, table, buffer, token, _ = registered()
+    leases = table.leases()
+    first = leases.resolve("a", token, 0, torch.int32, (4,))
+    table.unregister(token)
+    assert mapper.mapped == 1
+    # The call already holds the region: its later references still resolve, to the same
+    # memory; another call's do not.
+    second = leases.resolve("b", token, 16, torch.int32, (4,))
+    second.fill_(7)
+    assert torch.equal(buffer[16:32].view(torch.int32), torch.full((4,), 7, dtype=torch.int32))
+    assert first.data_ptr() + 16 == second.data_ptr()
+    expect(
+        MemoryTokenNotFound,
+        "NOT_FOUND",
+        "MEMORY_TOKEN_NOT_FOUND",
+        lambda: table.leases().resolve("c", token, 0, torch.int32, (1,)),
+    )
+    leases.release()  # one release closes it: one lease was taken for both references
+    assert mapper.mapped == 0 and len(mapper.closed) == 1
+    # A released call no longer reaches the closed mapping through its old lease.
+    expect(
+        MemoryTokenNotFound,
+        "NOT_FOUND",
+        "MEMORY_TOKEN_NOT_FOUND",
+        lambda: leases.resolve("d", token, 0, torch.int32, (1,)),
+    )
+
+
 def test_idle_regions_expire_but_leased_ones_do_not() -> None:
     mapper, table, _, token, clock = registered(idle_timeout_s=10.0)
     busy = mapper.export(torch.zeros(64, dtype=torch.uint8))
