@@ -1,12 +1,31 @@
 from ddtree.v1 import tensor_pb2 as _tensor_pb2
 from ddtree.v1 import tree_pb2 as _tree_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChannelOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHANNEL_OP_UNSPECIFIED: _ClassVar[ChannelOp]
+    CHANNEL_OP_BUILD_TREE: _ClassVar[ChannelOp]
+    CHANNEL_OP_ACCEPT: _ClassVar[ChannelOp]
+
+class ChannelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHANNEL_STATE_UNSPECIFIED: _ClassVar[ChannelState]
+    CHANNEL_STATE_OPEN: _ClassVar[ChannelState]
+    CHANNEL_STATE_CLOSED: _ClassVar[ChannelState]
+CHANNEL_OP_UNSPECIFIED: ChannelOp
+CHANNEL_OP_BUILD_TREE: ChannelOp
+CHANNEL_OP_ACCEPT: ChannelOp
+CHANNEL_STATE_UNSPECIFIED: ChannelState
+CHANNEL_STATE_OPEN: ChannelState
+CHANNEL_STATE_CLOSED: ChannelState
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
@@ -211,3 +230,87 @@ class VerifyAttentionResponse(_message.Message):
     out: _tensor_pb2.Tensor
     lse: _tensor_pb2.Tensor
     def __init__(self, out: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lse: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class ChannelRegion(_message.Message):
+    __slots__ = ("region_token", "offset_bytes", "byte_size")
+    REGION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    region_token: str
+    offset_bytes: int
+    byte_size: int
+    def __init__(self, region_token: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class ChannelKvShape(_message.Message):
+    __slots__ = ("num_pages", "page_size", "head_dim", "dtype", "max_pages")
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    num_pages: int
+    page_size: int
+    head_dim: int
+    dtype: _tensor_pb2.DType
+    max_pages: int
+    def __init__(self, num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., max_pages: _Optional[int] = ...) -> None: ...
+
+class OpenChannelRequest(_message.Message):
+    __slots__ = ("op", "control", "ring_size", "regions", "max_batch_size", "draft_len", "max_budget", "vocab_size", "logits_dtype", "kv", "model")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
+    RING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    op: ChannelOp
+    control: ChannelRegion
+    ring_size: int
+    regions: _containers.RepeatedCompositeFieldContainer[ChannelRegion]
+    max_batch_size: int
+    draft_len: int
+    max_budget: int
+    vocab_size: int
+    logits_dtype: _tensor_pb2.DType
+    kv: ChannelKvShape
+    model: str
+    def __init__(self, op: _Optional[_Union[ChannelOp, str]] = ..., control: _Optional[_Union[ChannelRegion, _Mapping]] = ..., ring_size: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[ChannelRegion, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., draft_len: _Optional[int] = ..., max_budget: _Optional[int] = ..., vocab_size: _Optional[int] = ..., logits_dtype: _Optional[_Union[_tensor_pb2.DType, str]] = ..., kv: _Optional[_Union[ChannelKvShape, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class OpenChannelResponse(_message.Message):
+    __slots__ = ("channel_token", "pipeline_depth")
+    CHANNEL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    channel_token: str
+    pipeline_depth: int
+    def __init__(self, channel_token: _Optional[str] = ..., pipeline_depth: _Optional[int] = ...) -> None: ...
+
+class CloseChannelRequest(_message.Message):
+    __slots__ = ("channel_token",)
+    CHANNEL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    channel_token: str
+    def __init__(self, channel_token: _Optional[str] = ...) -> None: ...
+
+class CloseChannelResponse(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    def __init__(self, steps: _Optional[int] = ...) -> None: ...
+
+class WatchChannelRequest(_message.Message):
+    __slots__ = ("channel_token",)
+    CHANNEL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    channel_token: str
+    def __init__(self, channel_token: _Optional[str] = ...) -> None: ...
+
+class WatchChannelResponse(_message.Message):
+    __slots__ = ("state", "reason")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    state: ChannelState
+    reason: str
+    def __init__(self, state: _Optional[_Union[ChannelState, str]] = ..., reason: _Optional[str] = ...) -> None: ...

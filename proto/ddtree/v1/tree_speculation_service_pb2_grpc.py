@@ -70,6 +70,21 @@ class TreeSpeculationServiceStub:
                 request_serializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.VerifyAttentionRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.VerifyAttentionResponse.FromString,
                 _registered_method=True)
+        self.OpenChannel = channel.unary_unary(
+                '/ddtree.v1.TreeSpeculationService/OpenChannel',
+                request_serializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.OpenChannelRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.OpenChannelResponse.FromString,
+                _registered_method=True)
+        self.CloseChannel = channel.unary_unary(
+                '/ddtree.v1.TreeSpeculationService/CloseChannel',
+                request_serializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.CloseChannelRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.CloseChannelResponse.FromString,
+                _registered_method=True)
+        self.WatchChannel = channel.unary_stream(
+                '/ddtree.v1.TreeSpeculationService/WatchChannel',
+                request_serializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.WatchChannelRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.WatchChannelResponse.FromString,
+                _registered_method=True)
 
 
 class TreeSpeculationServiceServicer:
@@ -126,6 +141,30 @@ class TreeSpeculationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenChannel(self, request, context):
+        """Open a GPU doorbell channel (docs/channel.md): steps of one op that the caller posts from
+        its own CUDA stream, with no RPC per step. Needs registered memory support.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseChannel(self, request, context):
+        """Close a channel: its enqueued steps fail with status CLOSED; afterwards the server never
+        touches the control block or the channel's regions again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchChannel(self, request, context):
+        """Watch a channel: one OPEN message at once, one CLOSED message when the server closes it.
+        When the last watch of a channel ends (the caller died or left), the server closes it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TreeSpeculationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +202,21 @@ def add_TreeSpeculationServiceServicer_to_server(servicer, server):
                     servicer.VerifyAttention,
                     request_deserializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.VerifyAttentionRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.VerifyAttentionResponse.SerializeToString,
+            ),
+            'OpenChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenChannel,
+                    request_deserializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.OpenChannelRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.OpenChannelResponse.SerializeToString,
+            ),
+            'CloseChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseChannel,
+                    request_deserializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.CloseChannelRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.CloseChannelResponse.SerializeToString,
+            ),
+            'WatchChannel': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchChannel,
+                    request_deserializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.WatchChannelRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_tree__speculation__service__pb2.WatchChannelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +409,87 @@ class TreeSpeculationService:
             '/ddtree.v1.TreeSpeculationService/VerifyAttention',
             ddtree_dot_v1_dot_tree__speculation__service__pb2.VerifyAttentionRequest.SerializeToString,
             ddtree_dot_v1_dot_tree__speculation__service__pb2.VerifyAttentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.TreeSpeculationService/OpenChannel',
+            ddtree_dot_v1_dot_tree__speculation__service__pb2.OpenChannelRequest.SerializeToString,
+            ddtree_dot_v1_dot_tree__speculation__service__pb2.OpenChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.TreeSpeculationService/CloseChannel',
+            ddtree_dot_v1_dot_tree__speculation__service__pb2.CloseChannelRequest.SerializeToString,
+            ddtree_dot_v1_dot_tree__speculation__service__pb2.CloseChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ddtree.v1.TreeSpeculationService/WatchChannel',
+            ddtree_dot_v1_dot_tree__speculation__service__pb2.WatchChannelRequest.SerializeToString,
+            ddtree_dot_v1_dot_tree__speculation__service__pb2.WatchChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,
