@@ -46,6 +46,7 @@ from ddtree.service.calls import (
     validate_build_tree,
     validate_verify_attention,
 )
+from ddtree.service.channel import ChannelLimits, ChannelsUnsupported, ChannelTable
 from ddtree.service.errors import (
     DeadlineExceeded,
     Internal,
@@ -302,6 +303,9 @@ class Engine:
         """Registered caller memory (CUDA IPC); ``None`` on the CPU or without cuda-python."""
         self._events: EventWaiter | None = None
         self._mapper: IpcMapper | None = None
+        self.channels: ChannelTable | None = None
+        """GPU doorbell channels (``ddtree.service.channel``); ``None`` without registered
+        memory on a CUDA device."""
         if self.device.type == "cuda" or ipc_mapper is not None:
             self._open_memory(memory_limits or MemoryLimits(), ipc_mapper)
 
@@ -329,6 +333,10 @@ class Engine:
         )
         self._events = EventWaiter(mapper)
         self._info = replace(self._info, supports_memory_references=True)
+        if self.device.type == "cuda":
+            self.channels = ChannelTable(
+                self.memory, ChannelLimits(idle_timeout_s=limits.idle_timeout_s), self._observer
+            )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -409,6 +417,8 @@ class Engine:
             if self._is_closed:
                 return
             self._is_closed = True
+        if self.channels is not None:
+            self.channels.close_all()
         self._worker.shutdown(wait=True, cancel_futures=False)
         if self._stream is not None:
             try:
@@ -472,6 +482,17 @@ class Engine:
         if self.memory is None:
             return []
         return self.memory.list(client_id, owner)
+
+    def require_channels(self) -> ChannelTable:
+        """The channel table, or ``ChannelsUnsupported`` (no CUDA device or no registered
+        memory), or ``ShuttingDown``/``WarmingUp`` when calls are refused."""
+        self._check_state()
+        if self.channels is None:
+            raise ChannelsUnsupported(
+                f"open_channel: channels need a CUDA server with registered memory; this one runs "
+                f"on {self.device}"
+            )
+        return self.channels
 
     def _require_memory(self) -> RegionTable:
         if self._is_closed:

@@ -376,6 +376,8 @@ class Server:
             # Refuse new service calls with UNAVAILABLE and let those in flight finish; then
             # stop gRPC without waiting the whole grace for long-lived health Watch streams.
             self._calls.draining = True
+            if self.engine.channels is not None:  # their watchers see CLOSED ("shutdown")
+                await loop.run_in_executor(None, self.engine.channels.close_all)
             while self._calls.in_flight and loop.time() < deadline:
                 await asyncio.sleep(0.01)
             grace = min(_FINAL_GRACE_S, max(0.0, deadline - loop.time()))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -19,9 +19,11 @@ from google.protobuf.message import Message
 
 from ddtree.service import convert
 from ddtree.service.access import client_identity
+from ddtree.service.channel import open_channel_args
 from ddtree.service.config import ServiceConfig
 from ddtree.service.engine import Engine
 from ddtree.service.errors import (
+    DDTreeError,
     DeadlineExceeded,
 )
 from ddtree.v1 import tree_speculation_service_pb2 as pb
@@ -227,3 +229,51 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
 
         inline = [t for t, dest in ((out, call.out), (lse, call.lse)) if dest is None]
         return await _convert(_nbytes(*inline), respond)
+
+    async def OpenChannel(
+        self, request: pb.OpenChannelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenChannelResponse:
+        """Open a GPU doorbell channel over the caller's registered memory."""
+        channels = self._engine.require_channels()
+        args = open_channel_args(request, self._engine.limits.max_batch_size)
+        future = channels.open_async(
+            args.shape,
+            args.control,
+            args.ring_size,
+            args.regions,
+            owner=client_identity(context),
+            model=args.model,
+        )
+        token = await self._await(future, self._budget_s(context))
+        return pb.OpenChannelResponse(channel_token=token, pipeline_depth=channels.limits.depth)
+
+    async def CloseChannel(
+        self, request: pb.CloseChannelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseChannelResponse:
+        """Close a channel once its stream has drained."""
+        channels = self._engine.require_channels()
+        owner = client_identity(context)
+        steps = await asyncio.get_running_loop().run_in_executor(
+            None, channels.close, request.channel_token, owner
+        )
+        return pb.CloseChannelResponse(steps=steps)
+
+    async def WatchChannel(
+        self, request: pb.WatchChannelRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchChannelResponse]:
+        """OPEN now, CLOSED when the channel closes; the last watch leaving closes it.
+
+        (Streams bypass the unary error interceptor: errors are mapped to their status here.)
+        """
+        try:
+            channels = self._engine.require_channels()
+            closed = channels.watch(request.channel_token, client_identity(context))
+        except DDTreeError as err:
+            await context.abort(grpc.StatusCode[err.code], f"{err.reason}: {err.message}")
+            return
+        try:
+            yield pb.WatchChannelResponse(state=pb.CHANNEL_STATE_OPEN)
+            reason = await asyncio.shield(asyncio.wrap_future(closed))
+            yield pb.WatchChannelResponse(state=pb.CHANNEL_STATE_CLOSED, reason=reason)
+        finally:
+            channels.unwatch(request.channel_token)
