@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,14 @@ from helpers.ipc import ServerProcess
 from helpers.serving import LogWatcher
 
 from ddtree.clients import Client, KvCommit, RetryPolicy
-from ddtree.clients.cuda import ExportError, device_uuid, ipc_mem_handle, locate
+from ddtree.clients.cuda import (
+    AllocationCache,
+    ExportError,
+    device_uuid,
+    ipc_mem_handle,
+    locate,
+    query_buffer_id,
+)
 from ddtree.kernels.types import Tree
 from ddtree.v1 import tensor_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
@@ -379,6 +387,47 @@ def test_restarted_server_is_re_registered_transparently(tmp_path: Path, cache_d
     finally:
         first.stop()
     assert_same_tree(after, before)
+
+
+def test_allocation_cache_follows_the_allocator_and_needs_no_context() -> None:
+    cache = AllocationCache()
+    # 32 MiB: torch gives requests of 10 MiB and more a cudaMalloc segment of their own.
+    first = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    view = first[1 << 20 : 2 << 20]
+    found, offset = cache.find(view, "view", [])
+    assert (found, offset) == locate(view)
+    old = found
+    del first, view
+    torch.cuda.empty_cache()  # cudaFree: the next segment may reuse the address, not the id
+    second = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    found, offset = cache.find(second, "second", [])
+    assert (found, offset) == locate(second)
+    assert found.buffer_id != old.buffer_id
+    # A thread that never touched CUDA has no current context: the query makes one.
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(query_buffer_id(second.data_ptr(), 0)))
+    thread.start()
+    thread.join()
+    assert seen == [found.buffer_id]
+
+
+def test_a_freed_and_reused_segment_is_registered_again(server: ServerProcess) -> None:
+    # The server must read the caller's current memory, never a mapping of freed memory that
+    # a stale client cache would name.
+    with (
+        Client(server.address, tensor_transport="ipc") as ipc,
+        Client(server.address) as inline,
+    ):
+        trees = []
+        for seed in (11, 12):
+            # 12 MiB of logits: a segment of their own, freed by empty_cache between the calls.
+            step = inputs(seed=seed, batch_size=3, vocab_size=409_600)
+            tree = ipc.build_tree(step["draft_logits"], step["root_tokens"], 24)
+            assert_same_tree(tree, inline.build_tree(step["draft_logits"], step["root_tokens"], 24))
+            trees.append(tree)
+            del step
+            torch.cuda.empty_cache()
+        assert not torch.equal(trees[0].tokens, trees[1].tokens)
 
 
 def test_expandable_segments_are_refused_clearly() -> None:
