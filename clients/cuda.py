@@ -335,14 +335,15 @@ class AllocationCache:
             if allocation.base_pointer <= pointer and end <= allocation.end_pointer:
                 return allocation, pointer - allocation.base_pointer
         index = tensor.device.index if tensor.device.index is not None else 0
-        key = self._buffer_id(pointer, index, field)
-        allocation = self._entries.get(key)
-        if allocation is None:
+        cached = self._entries.get(self._buffer_id(pointer, index, field))
+        if cached is None:
             allocation, _ = self._describe(tensor, field)
             with self._lock:
                 if len(self._entries) >= self.max_entries:
                     self._entries.clear()
                 self._entries[allocation.buffer_id] = allocation
+        else:
+            allocation = cached
         if not allocation.base_pointer <= pointer or end > allocation.end_pointer:
             # The driver's range and its buffer id disagree: never send such a reference.
             raise ExportError(
