@@ -1,37 +1,35 @@
-// build_tree: the DDTree draft tree on the GPU in two or three launches with no host round trip.
+// build_tree: the DDTree draft tree on the GPU in three launches with no host round trip.
 //
 // Python reference: ddtree.kernels.reference.build_tree (contract: ddtree.kernels.build.build_tree).
-// Rows are (request, depth) pairs, row = b * draft_len + (depth - 1). K = min(max_budget, V).
+// Rows are (request, depth) pairs, row = b * draft_len + (depth - 1). K = top_k = min(max_budget, V).
 //
-// 1. ddtree_build_topk  grid (num_chunks, rows), block TOPK_THREADS (512), dynamic shared memory
-//    (cap + spare) * 8 bytes. Each block streams one span of one row of logits exactly once, in
-//    tiles of TOPK_THREADS * LOADS 16-byte vectors (the next tile's loads are in flight while a
-//    tile is processed). Per thread it keeps an online max and sum of exp(x - max) over finite x
-//    and a count of +inf. Candidates are 64-bit composites order_key(x) << 32 | ~token (larger
-//    composite = larger scaled logit x, equal x smaller token id). Only entries whose composite
-//    is >= a running threshold enter the shared buffer `cand`: the threshold is first a lower
-//    bound of the K-th largest entry of the first tile (the K-th largest of the threads' tile
-//    maxima, when K <= TOPK_THREADS), then, after every compaction of the buffer to its `keep`
-//    largest entries (radix select), the smallest kept composite. On random logits only
-//    O(K log(V / K)) entries ever pass, so a tile costs one barrier. NaN and -inf entries are
-//    never candidates (they are impossible tokens and do not change the count of possible ones).
-//    With one chunk per row (num_chunks == 1) the block sorts its K survivors and writes the
-//    row's outputs itself; otherwise it writes its statistics and `keep` composites for 2.
+// 1. ddtree_build_topk  grid (num_chunks, rows), block TOPK_WARPS warps, dynamic shared memory
+//    TOPK_WARPS * cap * 8 bytes. A block covers one span of one row; each warp streams its own
+//    slice of the span exactly once, UNROLL 16-byte vectors per lane and step, with the next step's
+//    loads in flight while a step is processed, and no block barrier until the end. Per lane it
+//    keeps an online max and sum of exp(x - max) over finite x and a count of +inf. Candidates are
+//    64-bit composites order_key(x) << 32 | ~token (larger composite = larger scaled logit x, equal
+//    x smaller token id). Only entries whose composite is >= the block's running threshold enter
+//    the warp's buffer of `cap` composites; when a vector's candidates might not fit, the warp
+//    keeps the K largest of its buffer (a warp radix select) and raises the block threshold to the
+//    smallest of them (a lower bound of the row's K-th largest entry: the warp saw K entries at or
+//    above it). On random logits only O(K log(V / K)) entries ever pass. At the end every warp
+//    writes its statistics and its candidates at or above the final threshold (a superset of its
+//    share of the row's top K), padded with composite 0, as one "part" of the row.
 // 2. ddtree_build_merge  grid (rows), block MERGE_THREADS, dynamic shared memory
-//    num_chunks * keep * 8 + sort_size * 8 bytes (only when num_chunks > 1). Combines the chunk
-//    statistics into the row's log-sum-exp, selects the row's top-K composites, sorts them
-//    (bitonic), and writes the sorted top-K tokens, their log-probabilities and the number of
+//    num_parts * K * 8 + sort_size * 8 bytes. Gathers the row's non-pad candidates, combines the
+//    parts' statistics into the row's log-sum-exp, radix-selects the row's top K, sorts them
+//    (bitonic) and writes the sorted top-K tokens, their log-probabilities and the number of
 //    possible ones.
 // 3. ddtree_build_select  grid (batch_size), block SELECT_THREADS; warp 0 runs the best-first
 //    selection of one request, then the whole block writes the nodes and ancestor masks. The
 //    frontier (at most budget + 1 candidates) lives in shared memory, slot s owned by lane s % 32,
 //    which keeps the best of its slots in registers. A pop is one warp max-reduction of the lanes'
-//    best keys (order_key of the score). Exact score ties compare rank tuples lexicographically:
-//    first a packed prefix of the tuple (rank + 1 of the first 64 / bits(top_k) depths in one
-//    64-bit word, two more warp reductions), and only when those agree by walking parents. The
-//    popped slot takes the node's first child and a fresh slot its next sibling; only the lanes
-//    that own a changed slot rescan. Shared memory: the node and frontier tables, plus the
-//    per-depth log-prob table when it fits.
+//    best keys (order_key of the score); exact score ties compare rank tuples lexicographically,
+//    read from a packed table of every popped node's tuple (16 bits per depth, rank + 1, 0 past
+//    the node's depth), so a tie costs a few word compares. The popped slot takes the node's first
+//    child and a fresh slot its next sibling; only the lanes that own a changed slot rescan.
+//    Shared memory: the tuple table, plus the per-depth log-prob table when it fits.
 //
 // Rules shared with the reference: x = logits.float() / temperature (true division), NaN -> -inf,
 // a row holding +inf gives its +inf tokens log-prob -log(count) and every other token -inf, an
@@ -40,20 +38,20 @@
 // budgets (clamped to [0, num_nodes_max - 1]), error_flags (non-zero on entry -> root-only tree).
 #include "common.cuh"
 
-#ifndef TOPK_THREADS
-#define TOPK_THREADS 512
+#ifndef TOPK_WARPS
+#define TOPK_WARPS 8
 #endif
-#ifndef LOADS
-#define LOADS 2
+#ifndef UNROLL
+#define UNROLL 2
 #endif
 #ifndef TOPK_MIN_BLOCKS
 #define TOPK_MIN_BLOCKS 2
 #endif
+#ifndef MERGE_THREADS
+#define MERGE_THREADS 256
+#endif
 #ifndef SELECT_THREADS
 #define SELECT_THREADS 128
-#endif
-#ifndef MERGE_THREADS
-#define MERGE_THREADS 512
 #endif
 
 #define DDTREE_FULL 0xFFFFFFFFu
@@ -74,105 +72,8 @@ __device__ __forceinline__ uint32_t ddtree_composite_token(uint64_t c) {
   return 0xFFFFFFFFu - (uint32_t)(c & 0xFFFFFFFFull);
 }
 
-// Shared-memory scratch of ddtree_radix_select.
-struct DdtreeRadix {
-  uint32_t hist[256];
-  uint64_t prefix, mask, remaining, done, all_and, all_or;
-};
-
-// Radix select over n composites in shared memory: afterwards the k largest are among those with
-// (c & *mask) >= *prefix, exactly those when the composites are distinct (all of them when
-// k >= n). Digits in which every composite agrees are skipped. Every thread of the block must
-// call it.
-__device__ void ddtree_radix_select(const uint64_t* vals, int n, int k, DdtreeRadix* rs,
-                                    uint64_t* prefix_out, uint64_t* mask_out) {
-  const int tid = threadIdx.x;
-  if (k >= n) {
-    *prefix_out = 0;
-    *mask_out = 0;
-    return;
-  }
-  if (tid == 0) {
-    rs->prefix = 0;
-    rs->mask = 0;
-    rs->remaining = (uint64_t)k;
-    rs->done = 0;
-    rs->all_and = ~0ull;
-    rs->all_or = 0;
-  }
-  __syncthreads();
-  uint64_t all_and = ~0ull, all_or = 0;
-  for (int i = tid; i < n; i += blockDim.x) {
-    all_and &= vals[i];
-    all_or |= vals[i];
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    all_and &= __shfl_xor_sync(0xFFFFFFFFu, all_and, off);
-    all_or |= __shfl_xor_sync(0xFFFFFFFFu, all_or, off);
-  }
-  if ((tid & 31) == 0) {
-    atomicAnd(reinterpret_cast<unsigned long long*>(&rs->all_and), all_and);
-    atomicOr(reinterpret_cast<unsigned long long*>(&rs->all_or), all_or);
-  }
-  __syncthreads();
-  const uint64_t varying = rs->all_and ^ rs->all_or;
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    if (((varying >> shift) & 0xFFull) == 0) continue;  // block-uniform
-    for (int i = tid; i < 256; i += blockDim.x) rs->hist[i] = 0;
-    __syncthreads();
-    const uint64_t prefix = rs->prefix;
-    const uint64_t mask = rs->mask;
-    // The high digits of one row's keys are nearly all equal: aggregate equal bins per warp
-    // before the shared-memory atomic, or the atomics serialise.
-    const int rounded = (n + blockDim.x - 1) / blockDim.x * blockDim.x;
-    for (int i = tid; i < rounded; i += blockDim.x) {
-      uint32_t bin = 256u;
-      if (i < n) {
-        const uint64_t v = vals[i];
-        if ((v & mask) == prefix) bin = (uint32_t)(v >> shift) & 255u;
-      }
-      const uint32_t peers = __match_any_sync(0xFFFFFFFFu, bin);
-      if (bin < 256u && (tid & 31) == __ffs(peers) - 1) atomicAdd(&rs->hist[bin], __popc(peers));
-    }
-    __syncthreads();
-    if (tid < 32) {
-      const uint32_t rem = (uint32_t)rs->remaining;
-      // Lane l covers bins 255 - 8l down to 248 - 8l (largest digits first).
-      uint32_t local = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) local += rs->hist[255 - 8 * tid - j];
-      uint32_t incl = local;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const uint32_t o = __shfl_up_sync(0xFFFFFFFFu, incl, off);
-        if (tid >= off) incl += o;
-      }
-      const uint32_t hit = __ballot_sync(0xFFFFFFFFu, incl >= rem);
-      const int lane = __ffs(hit) - 1;
-      if (tid == lane) {
-        uint32_t cum = incl - local;
-        for (int j = 0; j < 8; ++j) {
-          const int bin = 255 - 8 * tid - j;
-          const uint32_t c = rs->hist[bin];
-          if (cum + c >= rem) {
-            const uint32_t new_rem = rem - cum;
-            rs->prefix = prefix | ((uint64_t)bin << shift);
-            rs->mask = mask | ((uint64_t)0xFF << shift);
-            rs->remaining = new_rem;
-            rs->done = (c == new_rem) ? 1 : 0;
-            break;
-          }
-          cum += c;
-        }
-      }
-    }
-    __syncthreads();
-    if (rs->done) break;
-  }
-  *prefix_out = rs->prefix;
-  *mask_out = rs->mask;
-  __syncthreads();  // rs is reused by the caller's next select
+__device__ __forceinline__ uint32_t ddtree_lanes_below() {
+  return (1u << (threadIdx.x & 31)) - 1u;
 }
 
 __device__ __forceinline__ float ddtree_block_reduce_max(float v, float* scratch) {
@@ -245,66 +146,130 @@ __device__ void ddtree_write_row(const uint64_t* sorted, int64_t row, int top_k,
   if (threadIdx.x == 0) topk_count[row] = (int32_t)total;
 }
 
-// Shared state of ddtree_build_topk besides the candidate buffer.
-struct DdtreeTopkShared {
-  DdtreeRadix radix;
-  uint64_t threshold;  // entries with a smaller composite can no longer be in the top `keep`
-  uint64_t kept_min;
-  int count;           // entries in cand
-  int moved;
-  float scratch[32];
-};
 
-// Keeps the `keep` largest of the n composites in cand (n > keep) and raises the threshold to
-// the smallest of them. Every thread of the block must call it.
-__device__ void ddtree_compact(uint64_t* cand, uint64_t* spare, int n, int keep,
-                               DdtreeTopkShared* sh) {
-  uint64_t prefix, mask;
-  ddtree_radix_select(cand, n, keep, &sh->radix, &prefix, &mask);
-  if (threadIdx.x == 0) {
-    sh->moved = 0;
-    sh->kept_min = ~0ull;
+// Radix selection by one warp over the n distinct composites of cand[0, n) (n >= k >= 1): the
+// largest t with at least k of them >= t, where t ranges over value keys only (exact false:
+// t = key << 32, the value of the k-th largest) or over all composites (exact true: t is the k-th
+// largest and exactly k are >= t). 8-bit digits from the top, skipping digits in which every
+// composite agrees, stopping early when one bin holds exactly the entries still wanted; `hist`
+// is the warp's 256 shared counters.
+__device__ uint64_t ddtree_warp_select(const uint64_t* cand, int n, int k, bool exact,
+                                       uint32_t* hist) {
+  const int lane = threadIdx.x & 31;
+  unsigned long long all_and = ~0ull, all_or = 0;
+  for (int i = lane; i < n; i += 32) {
+    all_and &= cand[i];
+    all_or |= cand[i];
   }
-  __syncthreads();
-  uint64_t low = ~0ull;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const uint64_t c = cand[i];
-    if ((c & mask) >= prefix) {
-      const int p = atomicAdd(&sh->moved, 1);
-      if (p < keep) spare[p] = c;
-      low = c < low ? c : low;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    all_and &= __shfl_xor_sync(DDTREE_FULL, all_and, off);
+    all_or |= __shfl_xor_sync(DDTREE_FULL, all_or, off);
+  }
+  const uint64_t varying = all_and ^ all_or;
+  uint64_t prefix = 0, mask = 0;
+  uint32_t remaining = (uint32_t)k;
+  const int last = exact ? 0 : 32;
+  for (int shift = 56; shift >= last; shift -= 8) {
+    if (((varying >> shift) & 0xFFull) == 0) {
+      // Every candidate still in play has this digit (all of them share it).
+      prefix |= all_and & (0xFFull << shift);
+      mask |= 0xFFull << shift;
+      continue;
     }
+    for (int i = lane; i < 256; i += 32) hist[i] = 0;
+    __syncwarp();
+    for (int i = lane; i < n; i += 32) {
+      const uint64_t c = cand[i];
+      if ((c & mask) == prefix) atomicAdd(&hist[(uint32_t)(c >> shift) & 255u], 1u);
+    }
+    __syncwarp();
+    // Lane l covers bins 255 - 8l down to 248 - 8l (largest digits first).
+    uint32_t local = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) local += hist[255 - 8 * lane - j];
+    uint32_t incl = local;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t o = __shfl_up_sync(DDTREE_FULL, incl, off);
+      if (lane >= off) incl += o;
+    }
+    const int owner = __ffs(__ballot_sync(DDTREE_FULL, incl >= remaining)) - 1;
+    uint32_t found_bin = 0, found_before = 0, found_count = 0;
+    if (lane == owner) {
+      uint32_t before = incl - local;
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t bin = 255u - 8u * lane - j;
+        const uint32_t c = hist[bin];
+        if (before + c >= remaining) {
+          found_bin = bin;
+          found_before = before;
+          found_count = c;
+          break;
+        }
+        before += c;
+      }
+    }
+    found_bin = __shfl_sync(DDTREE_FULL, found_bin, owner);
+    found_before = __shfl_sync(DDTREE_FULL, found_before, owner);
+    found_count = __shfl_sync(DDTREE_FULL, found_count, owner);
+    __syncwarp();  // hist is cleared by the next digit
+    prefix |= (uint64_t)found_bin << shift;
+    mask |= 0xFFull << shift;
+    remaining -= found_before;
+    if (found_count == remaining) break;  // the whole bin is wanted: lower digits may be 0
   }
-  if (low != ~0ull) atomicMin(reinterpret_cast<unsigned long long*>(&sh->kept_min), low);
-  __syncthreads();
-  const int kept = min(sh->moved, keep);
-  for (int i = threadIdx.x; i < kept; i += blockDim.x) cand[i] = spare[i];
-  if (threadIdx.x == 0) {
-    sh->count = kept;
-    if (sh->kept_min > sh->threshold) sh->threshold = sh->kept_min;
+  return prefix & mask;
+}
+
+// Keeps the entries of cand[0, n) that are >= t, in place and in order, and returns how many.
+// One whole warp calls it.
+__device__ int ddtree_warp_filter(uint64_t* cand, int n, uint64_t t) {
+  const int lane = threadIdx.x & 31;
+  int out = 0;
+  for (int base = 0; base < n; base += 32) {
+    const int i = base + lane;
+    const uint64_t c = i < n ? cand[i] : 0;
+    const bool take = i < n && c >= t;
+    const uint32_t ballot = __ballot_sync(DDTREE_FULL, take);
+    __syncwarp();  // every lane has read its entry before any write (writes go to <= i)
+    if (take) cand[out + __popc(ballot & ddtree_lanes_below())] = c;
+    out += __popc(ballot);
+    __syncwarp();
   }
-  __syncthreads();
+  return out;
+}
+
+// Shrinks a warp's buffer of n > k distinct composites: keeps every entry at or above the value
+// of the k-th largest when at most `room` are (room >= k), else exactly the k largest. Returns
+// the new count; *threshold_out (a lower bound of the k-th largest entry of every superset)
+// is the smallest composite a kept entry may have.
+__device__ __noinline__ int ddtree_warp_shrink(uint64_t* cand, int n, int k, int room,
+                                               uint32_t* hist, uint64_t* threshold_out) {
+  uint64_t t = ddtree_warp_select(cand, n, k, false, hist);
+  int kept = ddtree_warp_filter(cand, n, t);
+  if (kept > room) {
+    t = ddtree_warp_select(cand, kept, k, true, hist);
+    kept = ddtree_warp_filter(cand, kept, t);
+  }
+  *threshold_out = t;
+  return kept;
 }
 
 constexpr int DDTREE_VEC = 16 / sizeof(ddtree_logit_t);
-constexpr int DDTREE_TILE_ELEMS = LOADS * DDTREE_VEC;  // entries per thread per tile
-constexpr int DDTREE_TILE = TOPK_THREADS * DDTREE_TILE_ELEMS;
+constexpr int DDTREE_STEP = 32 * UNROLL * DDTREE_VEC;  // entries one warp reads per step
 
-// Raw 16-byte vectors of one tile: vector j of thread t covers tile entries
-// (t + j * TOPK_THREADS) * VEC .. + VEC - 1 (consecutive threads read consecutive vectors).
-struct DdtreeTile {
-  uint4 v[LOADS];
-};
-
-__device__ __forceinline__ void ddtree_load_tile(DdtreeTile& t, const ddtree_logit_t* src,
+// Loads one warp step: vector u of lane l covers entries start + (u * 32 + l) * VEC .. + VEC - 1.
+__device__ __forceinline__ void ddtree_load_step(uint4 (&v)[UNROLL], const ddtree_logit_t* src,
                                                  int start, int end, bool vectorized) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int j = 0; j < LOADS; ++j) {
-    const int first = start + (threadIdx.x + j * TOPK_THREADS) * DDTREE_VEC;
+  for (int u = 0; u < UNROLL; ++u) {
+    const int first = start + (u * 32 + lane) * DDTREE_VEC;
     if (vectorized && first + DDTREE_VEC <= end) {
-      t.v[j] = __ldg(reinterpret_cast<const uint4*>(src + first));
+      v[u] = __ldg(reinterpret_cast<const uint4*>(src + first));
     } else {
-      ddtree_logit_t* e = reinterpret_cast<ddtree_logit_t*>(&t.v[j]);
+      ddtree_logit_t* e = reinterpret_cast<ddtree_logit_t*>(&v[u]);
 #pragma unroll
       for (int k = 0; k < DDTREE_VEC; ++k) {
         // Past the end: NaN, which is never a candidate and adds nothing to the statistics.
@@ -314,243 +279,287 @@ __device__ __forceinline__ void ddtree_load_tile(DdtreeTile& t, const ddtree_log
   }
 }
 
-__device__ __forceinline__ uint32_t ddtree_tile_token(int start, int i) {
-  return (uint32_t)(start + (threadIdx.x + (i / DDTREE_VEC) * TOPK_THREADS) * DDTREE_VEC +
-                    (i % DDTREE_VEC));
+// Element k (0 <= k < VEC, any index) of a raw 16-byte vector of logits, widened to fp32.
+__device__ __forceinline__ float ddtree_vector_element(const uint4& v, int k) {
+#if DDTREE_DTYPE == DDTREE_DTYPE_F32
+  const uint32_t word = k < 2 ? (k == 0 ? v.x : v.y) : (k == 2 ? v.z : v.w);
+  return __uint_as_float(word);
+#else
+  const int w = k >> 1;
+  const uint32_t word = w < 2 ? (w == 0 ? v.x : v.y) : (w == 2 ? v.z : v.w);
+  const uint16_t bits = (uint16_t)((k & 1) ? (word >> 16) : (word & 0xFFFFu));
+  ddtree_logit_t e;
+  memcpy(&e, &bits, sizeof(bits));
+  return ddtree_to_float(e);
+#endif
 }
 
-// Streams one span of one row; see the file comment (launch 1). UNIT: temperature == 1.
-template <bool UNIT>
-__device__ void ddtree_topk_body(const ddtree_logit_t* __restrict__ src, float temperature,
-                                 int begin, int end, int keep, int cap, bool vectorized,
-                                 uint64_t* cand, uint64_t* spare, DdtreeTopkShared* sh,
-                                 float& m, float& s, float& infs) {
-  const int tid = threadIdx.x, lane = tid & 31;
-  DdtreeTile next;
-  if (begin < end) ddtree_load_tile(next, src, begin, end, vectorized);
-  for (int start = begin; start < end; start += DDTREE_TILE) {
-    float x[DDTREE_TILE_ELEMS];
+// Statistics of one vector: online max m, sum s of exp(x - m) over finite x, count of +inf.
+__device__ __forceinline__ void ddtree_vector_stats(const float (&x)[DDTREE_VEC], float vmax,
+                                                    float& m, float& s, float& infs) {
+  bool careful = vmax == DDTREE_INF;
+  if (!careful && vmax > -DDTREE_INF) {
+    if (vmax > m) {
+      s *= exp2f((m - vmax) * DDTREE_LOG2E);
+      m = vmax;
+    }
+    // (x - m) first: folding m into an fma with a pre-rounded m * log2(e) would add that
+    // product's rounding error (up to 6e-5 at m = 1e3, 1e31 at m = 1e38) to every exponent,
+    // and a row's top token could get a log-prob above 0.
+    float vs = 0.0f;
 #pragma unroll
-    for (int j = 0; j < LOADS; ++j) {
-      const ddtree_logit_t* e = reinterpret_cast<const ddtree_logit_t*>(&next.v[j]);
+    for (int k = 0; k < DDTREE_VEC; ++k) vs += exp2f((x[k] - m) * DDTREE_LOG2E);
+    if (isnan(vs)) {
+      careful = true;  // a NaN entry
+    } else {
+      s += vs;
+    }
+  }
+  if (careful) {
+    float fmax = -DDTREE_INF;
+#pragma unroll
+    for (int k = 0; k < DDTREE_VEC; ++k) {
+      if (x[k] == DDTREE_INF) {
+        infs += 1.0f;
+      } else if (x[k] > -DDTREE_INF) {
+        fmax = fmaxf(fmax, x[k]);
+      }
+    }
+    if (fmax > m) {
+      s *= exp2f((m - fmax) * DDTREE_LOG2E);
+      m = fmax;
+    }
+    if (m > -DDTREE_INF) {
+#pragma unroll
+      for (int k = 0; k < DDTREE_VEC; ++k) {
+        if (x[k] > -DDTREE_INF && x[k] < DDTREE_INF) s += exp2f((x[k] - m) * DDTREE_LOG2E);
+      }
+    }
+  }
+}
+
+// Streams one warp's slice [begin, end) of a row; see the file comment (launch 1).
+// UNIT: temperature == 1. `count` is the warp's number of buffered candidates in shared memory
+// (lanes append with atomics; read it only after __syncwarp).
+template <bool UNIT>
+__device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float temperature,
+                                 int begin, int end, int top_k, int cap, bool vectorized,
+                                 uint64_t* cand, int* count, uint32_t* hist,
+                                 unsigned long long* block_threshold, float& m, float& s,
+                                 float& infs) {
+  const int lane = threadIdx.x & 31;
+  uint4 cur[UNROLL], nxt[UNROLL];
+  if (begin < end) ddtree_load_step(cur, src, begin, end, vectorized);
+  if (begin + DDTREE_STEP <= end && top_k <= 32 * UNROLL) {
+    // A first threshold from the first step: its 32 * UNROLL vectors hold 32 * UNROLL distinct
+    // entries at or above the smallest vector maximum, so that value bounds the row's top_k-th
+    // largest entry from below, and most of the step's entries need not be buffered.
+    float low = DDTREE_INF;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const ddtree_logit_t* e = reinterpret_cast<const ddtree_logit_t*>(&cur[u]);
+      float vmax = -DDTREE_INF;  // fmaxf ignores NaN
 #pragma unroll
       for (int k = 0; k < DDTREE_VEC; ++k) {
         const float f = ddtree_to_float(e[k]);
-        x[j * DDTREE_VEC + k] = UNIT ? f : f / temperature;
+        vmax = fmaxf(vmax, UNIT ? f : f / temperature);
       }
+      low = fminf(low, vmax);
     }
-    if (start + DDTREE_TILE < end) ddtree_load_tile(next, src, start + DDTREE_TILE, end, vectorized);
-
-    // Statistics. fmaxf ignores NaN, so tmax is the largest non-NaN entry.
-    float tmax = -DDTREE_INF;
-#pragma unroll
-    for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) tmax = fmaxf(tmax, x[i]);
-    bool careful = tmax == DDTREE_INF;
-    if (!careful && tmax > -DDTREE_INF) {
-      if (tmax > m) {
-        s *= exp2f((m - tmax) * DDTREE_LOG2E);
-        m = tmax;
-      }
-      const float mb = m * DDTREE_LOG2E;
-      float ts = 0.0f;
-#pragma unroll
-      for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) ts += exp2f(fmaf(x[i], DDTREE_LOG2E, -mb));
-      if (isnan(ts)) careful = true;  // a NaN entry
-      else s += ts;
-    }
-    if (careful) {
-      float fmax = -DDTREE_INF;
-#pragma unroll
-      for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
-        const float v = x[i];
-        if (v == DDTREE_INF) infs += 1.0f;
-        else if (v > -DDTREE_INF) fmax = fmaxf(fmax, v);
-      }
-      if (fmax > m) {
-        s *= exp2f((m - fmax) * DDTREE_LOG2E);
-        m = fmax;
-      }
-      if (m > -DDTREE_INF) {
-        const float mb = m * DDTREE_LOG2E;
-#pragma unroll
-        for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
-          const float v = x[i];
-          if (v > -DDTREE_INF && v < DDTREE_INF) s += exp2f(fmaf(v, DDTREE_LOG2E, -mb));
-        }
-      }
-    }
-
-    if (start == begin && keep <= TOPK_THREADS && keep < end - begin) {
-      // First tile: the keep-th largest of the threads' maxima bounds the keep-th largest entry
-      // from below (at least keep entries reach it).
-      uint64_t best = 0;
-#pragma unroll
-      for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
-        if (x[i] > -DDTREE_INF) {
-          const uint64_t c = ddtree_composite(x[i], ddtree_tile_token(start, i));
-          best = c > best ? c : best;
-        }
-      }
-      spare[tid] = best;
-      __syncthreads();
-      uint64_t prefix, mask;
-      ddtree_radix_select(spare, TOPK_THREADS, keep, &sh->radix, &prefix, &mask);
-      if (tid == 0 && prefix > sh->threshold) sh->threshold = prefix;
-      __syncthreads();
-    }
-
-    // Candidates: composites at or above the threshold.
-    const uint64_t threshold = sh->threshold;
-    int mine = 0;
-    if (tmax > -DDTREE_INF && ddtree_order_key(tmax + 0.0f) >= (uint32_t)(threshold >> 32)) {
-#pragma unroll
-      for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
-        if (x[i] > -DDTREE_INF && ddtree_composite(x[i], ddtree_tile_token(start, i)) >= threshold)
-          ++mine;
-      }
-    }
-    if (__any_sync(0xFFFFFFFFu, mine > 0)) {
-      int incl = mine;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int o = __shfl_up_sync(0xFFFFFFFFu, incl, off);
-        if (lane >= off) incl += o;
-      }
-      int base = 0;
-      if (lane == 31) base = atomicAdd(&sh->count, incl);
-      base = __shfl_sync(0xFFFFFFFFu, base, 31);
-      int pos = base + incl - mine;
-      if (mine > 0) {
-#pragma unroll
-        for (int i = 0; i < DDTREE_TILE_ELEMS; ++i) {
-          if (x[i] > -DDTREE_INF) {
-            const uint64_t c = ddtree_composite(x[i], ddtree_tile_token(start, i));
-            if (c >= threshold) cand[pos++] = c;
-          }
-        }
-      }
-    }
-    if (__syncthreads_or(mine > 0)) {
-      const int n = sh->count;
-      __syncthreads();
-      // After a compaction at most keep <= cap - TILE entries remain, so the next tile fits.
-      if (n > cap - DDTREE_TILE) ddtree_compact(cand, spare, n, keep, sh);
-    }
+    const uint32_t key = __reduce_min_sync(DDTREE_FULL, ddtree_order_key(low + 0.0f));
+    if (lane == 0) atomicMax(block_threshold, (unsigned long long)key << 32);
   }
+  for (int start = begin; start < end; start += DDTREE_STEP) {
+    if (start + DDTREE_STEP < end) ddtree_load_step(nxt, src, start + DDTREE_STEP, end, vectorized);
+    __syncwarp();  // every lane's appends of the last step are visible
+    const int buffered = *reinterpret_cast<volatile int*>(count);
+    if (buffered > cap - DDTREE_STEP) {
+      // Not room for a whole step: keep about the top_k largest and raise the block threshold.
+      // cap = top_k + 2 * STEP, so buffered > top_k and at most cap - STEP remain.
+      uint64_t raised;
+      const int kept =
+          ddtree_warp_shrink(cand, buffered, top_k, cap - DDTREE_STEP, hist, &raised);
+      if (lane == 0) {
+        *count = kept;
+        atomicMax(block_threshold, (unsigned long long)raised);
+      }
+      __syncwarp();
+    }
+    // Candidates: x at or above the threshold's value (a superset of the composites at or above
+    // it). The floor's value is -FLT_MAX, so -inf and NaN never pass.
+    const float floor_value = ddtree_key_to_float(
+        (uint32_t)(*reinterpret_cast<volatile unsigned long long*>(block_threshold) >> 32));
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      float x[DDTREE_VEC];
+      const ddtree_logit_t* e = reinterpret_cast<const ddtree_logit_t*>(&cur[u]);
+#pragma unroll
+      for (int k = 0; k < DDTREE_VEC; ++k) {
+        const float f = ddtree_to_float(e[k]);
+        x[k] = UNIT ? f : f / temperature;
+      }
+      float vmax = -DDTREE_INF;  // fmaxf ignores NaN: the largest non-NaN entry
+#pragma unroll
+      for (int k = 0; k < DDTREE_VEC; ++k) vmax = fmaxf(vmax, x[k]);
+      ddtree_vector_stats(x, vmax, m, s, infs);
+      if (vmax >= floor_value) {
+        uint32_t bits = 0;
+#pragma unroll
+        for (int k = 0; k < DDTREE_VEC; ++k) bits |= (x[k] >= floor_value ? 1u : 0u) << k;
+        int slot = atomicAdd(count, __popc(bits));
+        const uint32_t token0 = (uint32_t)(start + (u * 32 + lane) * DDTREE_VEC);
+        // Usually one entry passes: loop over the set bits only (the entry is re-read from the
+        // raw vector, which a dynamic index into x[] would have sent to local memory).
+        while (bits != 0u) {
+          const int k = __ffs(bits) - 1;
+          bits &= bits - 1u;
+          const float f = ddtree_vector_element(cur[u], k);
+          cand[slot++] = ddtree_composite(UNIT ? f : f / temperature, token0 + k);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) cur[u] = nxt[u];
+  }
+  __syncwarp();
 }
 
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MIN_BLOCKS) ddtree_build_topk(
+extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) ddtree_build_topk(
     const ddtree_logit_t* __restrict__ logits,  // [rows, vocab]
-    float temperature, int32_t vocab, int32_t span, int32_t num_chunks, int32_t keep,
-    int32_t cap, int32_t vectorized,
-    uint64_t* __restrict__ part_keys,  // [rows, num_chunks, keep] (num_chunks > 1)
-    float* __restrict__ part_stats,    // [rows, num_chunks, 3]: max, sum exp(x - max), +inf count
-    int32_t top_k, int32_t sort_size,
-    float* __restrict__ topk_lp,       // [rows, top_k] (num_chunks == 1)
-    int32_t* __restrict__ topk_tok,    // [rows, top_k] (num_chunks == 1)
-    int32_t* __restrict__ topk_count) {  // [rows] (num_chunks == 1)
-  // Shared memory: cap candidates, then max(keep, sort_size, TOPK_THREADS) spare slots.
-  extern __shared__ uint64_t smem[];
-  uint64_t* cand = smem;
-  uint64_t* spare = smem + cap;
-  __shared__ DdtreeTopkShared sh;
-  const int tid = threadIdx.x;
+    float temperature, int32_t vocab, int32_t span, int32_t top_k, int32_t cap,
+    int32_t vectorized,
+    uint64_t* __restrict__ part_keys,  // [rows, num_chunks * TOPK_WARPS, top_k]
+    float* __restrict__ part_stats) {  // [rows, num_chunks * TOPK_WARPS, 3]: max, sum, +inf count
+  extern __shared__ uint64_t smem[];   // [TOPK_WARPS, cap] candidate buffers
+  __shared__ unsigned long long threshold;
+  __shared__ int counts[TOPK_WARPS];
+  __shared__ uint32_t hist[TOPK_WARPS][256];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunk = blockIdx.x;
   const int64_t row = blockIdx.y;
-  const int begin = chunk * span;
-  const int end = min(vocab, begin + span);
+  const int slice = span / TOPK_WARPS;
+  const int begin = chunk * span + warp * slice;
+  const int end = min(vocab, begin + slice);
   const ddtree_logit_t* src = logits + row * (int64_t)vocab;
-  if (tid == 0) {
-    sh.count = 0;
-    sh.threshold = DDTREE_FINITE_FLOOR;
-  }
+  uint64_t* cand = smem + warp * (int64_t)cap;
+  if (threadIdx.x == 0) threshold = DDTREE_FINITE_FLOOR;
+  if (lane == 0) counts[warp] = 0;
   __syncthreads();
   float m = -DDTREE_INF, s = 0.0f, infs = 0.0f;
   if (temperature == 1.0f) {
-    ddtree_topk_body<true>(src, temperature, begin, end, keep, cap, vectorized != 0, cand, spare,
-                           &sh, m, s, infs);
+    ddtree_topk_warp<true>(src, temperature, begin, end, top_k, cap, vectorized != 0, cand,
+                           &counts[warp], hist[warp], &threshold, m, s, infs);
   } else {
-    ddtree_topk_body<false>(src, temperature, begin, end, keep, cap, vectorized != 0, cand,
-                            spare, &sh, m, s, infs);
+    ddtree_topk_warp<false>(src, temperature, begin, end, top_k, cap, vectorized != 0, cand,
+                            &counts[warp], hist[warp], &threshold, m, s, infs);
   }
-  __syncthreads();
-  if (sh.count > keep) ddtree_compact(cand, spare, sh.count, keep, &sh);
-  const int n = min(sh.count, keep);
-  const float row_max = ddtree_block_reduce_max(m, sh.scratch);
-  const float scaled = m > -DDTREE_INF ? s * expf(m - row_max) : 0.0f;
-  const float sum = ddtree_block_reduce_sum(scaled, sh.scratch);
-  const float inf_count = ddtree_block_reduce_sum(infs, sh.scratch);
-  if (num_chunks == 1) {
-    for (int i = tid; i < sort_size; i += blockDim.x) spare[i] = i < n ? cand[i] : 0;
-    __syncthreads();
-    ddtree_bitonic_desc(spare, sort_size);
-    ddtree_write_row(spare, row, top_k, vocab, row_max, logf(sum), inf_count, sh.scratch,
-                     topk_lp, topk_tok, topk_count);
-    return;
+  int count = counts[warp];
+  if (count > top_k) {
+    uint64_t raised;
+    count = ddtree_warp_shrink(cand, count, top_k, top_k, hist[warp], &raised);
+    if (lane == 0) atomicMax(&threshold, (unsigned long long)raised);
   }
-  if (tid == 0) {
-    float* stats = part_stats + (row * num_chunks + chunk) * 3;
-    stats[0] = row_max;
-    stats[1] = sum;
-    stats[2] = inf_count;
+  float wm = m;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) wm = fmaxf(wm, __shfl_xor_sync(DDTREE_FULL, wm, off));
+  float ws = m > -DDTREE_INF ? s * expf(m - wm) : 0.0f;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    ws += __shfl_xor_sync(DDTREE_FULL, ws, off);
+    infs += __shfl_xor_sync(DDTREE_FULL, infs, off);
   }
-  // A chunk with fewer entries pads with composite 0: below every real composite, token
-  // 0xFFFFFFFF.
-  uint64_t* out = part_keys + (row * num_chunks + chunk) * (int64_t)keep;
-  for (int i = tid; i < keep; i += blockDim.x) out[i] = i < n ? cand[i] : 0;
+  __syncthreads();  // every warp is done: the block threshold is final
+  const uint64_t final_threshold = threshold;
+  const int64_t parts = (int64_t)gridDim.x * TOPK_WARPS;
+  const int64_t part = row * parts + chunk * TOPK_WARPS + warp;
+  uint64_t* out = part_keys + part * top_k;
+  int written = 0;
+  for (int base = 0; base < count; base += 32) {
+    const int i = base + lane;
+    const uint64_t c = i < count ? cand[i] : 0;
+    const bool take = i < count && c >= final_threshold;
+    const uint32_t ballot = __ballot_sync(DDTREE_FULL, take);
+    if (take) out[written + __popc(ballot & ddtree_lanes_below())] = c;
+    written += __popc(ballot);
+  }
+  // Pads: composite 0, below every real composite (token 0xFFFFFFFF).
+  for (int i = written + lane; i < top_k; i += 32) out[i] = 0;
+  if (lane == 0) {
+    float* stats = part_stats + part * 3;
+    stats[0] = wm;
+    stats[1] = ws;
+    stats[2] = infs;
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
-    const uint64_t* __restrict__ part_keys,   // [rows, num_chunks, keep]
-    const float* __restrict__ part_stats,     // [rows, num_chunks, 3]
-    int32_t num_chunks, int32_t keep, int32_t top_k, int32_t sort_size, int32_t vocab,
+    const uint64_t* __restrict__ part_keys,   // [rows, num_parts, top_k]
+    const float* __restrict__ part_stats,     // [rows, num_parts, 3]
+    int32_t num_parts, int32_t top_k, int32_t sort_size, int32_t vocab,
     float* __restrict__ topk_lp,              // [rows, top_k]
     int32_t* __restrict__ topk_tok,           // [rows, top_k]
     int32_t* __restrict__ topk_count) {       // [rows]
-  extern __shared__ uint64_t smem[];  // [num_chunks * keep] candidates, then [sort_size] sorted
-  __shared__ DdtreeRadix radix;
+  extern __shared__ uint64_t smem[];  // [num_parts * top_k] candidates, then [sort_size] sorted
   __shared__ float scratch[32];
-  __shared__ int counter;
-  __shared__ float row_max, row_log_sum, row_inf;
-  const int tid = threadIdx.x;
+  __shared__ int found, counter;
+  __shared__ unsigned long long cut;
+  __shared__ uint32_t hist[256];
+  const int tid = threadIdx.x, lane = tid & 31;
   const int64_t row = blockIdx.x;
-  const int n = num_chunks * keep;
+  const int n_all = num_parts * top_k;
   uint64_t* cand = smem;
-  uint64_t* sorted = smem + n;
-  const uint64_t* src = part_keys + row * (int64_t)n;
-  for (int i = tid; i < n; i += MERGE_THREADS) cand[i] = src[i];
+  uint64_t* sorted = smem + n_all;
   if (tid == 0) {
-    const float* st = part_stats + row * num_chunks * 3;
-    float m = -DDTREE_INF, inf = 0.0f;
-    for (int c = 0; c < num_chunks; ++c) {
-      m = fmaxf(m, st[3 * c]);
-      inf += st[3 * c + 2];
-    }
-    float s = 0.0f;
-    if (m > -DDTREE_INF) {
-      for (int c = 0; c < num_chunks; ++c) {
-        if (st[3 * c] > -DDTREE_INF) s += st[3 * c + 1] * expf(st[3 * c] - m);
-      }
-    }
-    row_max = m;
-    row_log_sum = logf(s);
-    row_inf = inf;
+    found = 0;
     counter = 0;
   }
   for (int i = tid; i < sort_size; i += MERGE_THREADS) sorted[i] = 0;
   __syncthreads();
-  uint64_t prefix, mask;
-  ddtree_radix_select(cand, n, top_k, &radix, &prefix, &mask);
+  // Gather the real candidates (every real composite is above DDTREE_FINITE_FLOOR > 0).
+  const uint64_t* src = part_keys + row * (int64_t)n_all;
+  const int rounded = (n_all + MERGE_THREADS - 1) / MERGE_THREADS * MERGE_THREADS;
+  for (int i = tid; i < rounded; i += MERGE_THREADS) {
+    const uint64_t v = i < n_all ? src[i] : 0;
+    const uint32_t ballot = __ballot_sync(DDTREE_FULL, v != 0);
+    int base = 0;
+    if (lane == 0 && ballot != 0) base = atomicAdd(&found, __popc(ballot));
+    base = __shfl_sync(DDTREE_FULL, base, 0);
+    if (v != 0) cand[base + __popc(ballot & ddtree_lanes_below())] = v;
+  }
+  // Row statistics from the parts' (max, sum of exp(x - max), +inf count).
+  const float* st = part_stats + row * num_parts * 3;
+  float m = -DDTREE_INF, inf = 0.0f;
+  for (int p = tid; p < num_parts; p += MERGE_THREADS) {
+    m = fmaxf(m, st[3 * p]);
+    inf += st[3 * p + 2];
+  }
+  const float row_max = ddtree_block_reduce_max(m, scratch);
+  float s = 0.0f;
+  if (row_max > -DDTREE_INF) {
+    for (int p = tid; p < num_parts; p += MERGE_THREADS) {
+      if (st[3 * p] > -DDTREE_INF) s += st[3 * p + 1] * expf(st[3 * p] - row_max);
+    }
+  }
+  const float row_sum = ddtree_block_reduce_sum(s, scratch);
+  const float row_inf = ddtree_block_reduce_sum(inf, scratch);  // its barriers publish `found`
+  const int n = found;
+  // The top_k largest (warp 0 finds the k-th): all of them when there are no more (the rest of
+  // `sorted` stays 0).
+  if (tid < 32) {
+    const uint64_t t = n > top_k ? ddtree_warp_select(cand, n, top_k, true, hist) : 0;
+    if (tid == 0) cut = t;
+  }
+  __syncthreads();
   for (int i = tid; i < n; i += MERGE_THREADS) {
     const uint64_t v = cand[i];
-    if ((v & mask) >= prefix) {
+    if (v >= cut) {
       const int pos = atomicAdd(&counter, 1);
       if (pos < sort_size) sorted[pos] = v;
     }
   }
   __syncthreads();
   ddtree_bitonic_desc(sorted, sort_size);
-  ddtree_write_row(sorted, row, top_k, vocab, row_max, row_log_sum, row_inf, scratch, topk_lp,
+  ddtree_write_row(sorted, row, top_k, vocab, row_max, logf(row_sum), row_inf, scratch, topk_lp,
                    topk_tok, topk_count);
 }
 
@@ -610,6 +619,51 @@ __device__ __forceinline__ bool ddtree_cand_better(uint32_t ka, uint64_t la, uin
   if (ka != kb) return ka > kb;
   if (la != lb) return la < lb;
   return ddtree_slot_lex_less(ia, ib, parent, rank);
+}
+
+// Writes one request's tree from its popped nodes (node 0 the root; `count` nodes) with every
+// thread of the block: tokens, parents, depths, log-probs, sentinels past `count`, num_nodes and
+// the ancestor-or-self masks.
+__device__ void ddtree_select_write(int count, int64_t b, int64_t root,
+                                    const int32_t* __restrict__ topk_tok, int draft_len,
+                                    int top_k, int num_nodes_max, int words,
+                                    const int16_t* node_parent, const int16_t* node_rank,
+                                    const int8_t* node_depth, const float* node_score,
+                                    int64_t* __restrict__ tokens, int32_t* __restrict__ parents,
+                                    int32_t* __restrict__ depths, float* __restrict__ log_probs,
+                                    int32_t* __restrict__ num_nodes, int64_t* __restrict__ mask) {
+  const int tid = threadIdx.x;
+  const int64_t base = b * (int64_t)num_nodes_max;
+  for (int i = tid; i < num_nodes_max; i += blockDim.x) {
+    if (i == 0) {
+      tokens[base] = root;
+      parents[base] = -1;
+      depths[base] = 0;
+      log_probs[base] = 0.0f;
+    } else if (i < count) {
+      const int d = node_depth[i];
+      tokens[base + i] = topk_tok[(b * draft_len + d - 1) * (int64_t)top_k + node_rank[i]];
+      parents[base + i] = node_parent[i];
+      depths[base + i] = d;
+      log_probs[base + i] = node_score[i];
+    } else {
+      tokens[base + i] = -1;
+      parents[base + i] = -1;
+      depths[base + i] = -1;
+      log_probs[base + i] = -DDTREE_INF;
+    }
+  }
+  if (tid == 0) num_nodes[b] = count;
+  // Ancestor-or-self bits: one thread per node row, walking to the root (at most 33 steps).
+  for (int i = tid; i < num_nodes_max; i += blockDim.x) {
+    int64_t* out = mask + (base + i) * words;
+    uint64_t acc[(DDTREE_MAX_NODES + 63) / 64];
+    for (int w = 0; w < words; ++w) acc[w] = 0;
+    if (i < count) {
+      for (int j = i; j >= 0; j = node_parent[j]) acc[j >> 6] |= 1ull << (j & 63);
+    }
+    for (int w = 0; w < words; ++w) out[w] = (int64_t)acc[w];
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select(
@@ -779,36 +833,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
     if (lane == 0) total = 1 + popped;
   }
   __syncthreads();
-  const int count = total;
-  const int64_t base = b * (int64_t)num_nodes_max;
-  for (int i = tid; i < num_nodes_max; i += blockDim.x) {
-    if (i == 0) {
-      tokens[base] = root;
-      parents[base] = -1;
-      depths[base] = 0;
-      log_probs[base] = 0.0f;
-    } else if (i < count) {
-      const int d = node_depth[i];
-      tokens[base + i] = topk_tok[(b * draft_len + d - 1) * (int64_t)top_k + node_rank[i]];
-      parents[base + i] = node_parent[i];
-      depths[base + i] = d;
-      log_probs[base + i] = node_score[i];
-    } else {
-      tokens[base + i] = -1;
-      parents[base + i] = -1;
-      depths[base + i] = -1;
-      log_probs[base + i] = -DDTREE_INF;
-    }
-  }
-  if (tid == 0) num_nodes[b] = count;
-  // Ancestor-or-self bits: one thread per node row, walking to the root (at most 33 steps).
-  for (int i = tid; i < num_nodes_max; i += blockDim.x) {
-    int64_t* out = mask + (base + i) * words;
-    uint64_t acc[(DDTREE_MAX_NODES + 63) / 64];
-    for (int w = 0; w < words; ++w) acc[w] = 0;
-    if (i < count) {
-      for (int j = i; j >= 0; j = node_parent[j]) acc[j >> 6] |= 1ull << (j & 63);
-    }
-    for (int w = 0; w < words; ++w) out[w] = (int64_t)acc[w];
-  }
+  ddtree_select_write(total, b, root, topk_tok, draft_len, top_k, num_nodes_max, words,
+                      node_parent, node_rank, node_depth, node_score, tokens, parents, depths,
+                      log_probs, num_nodes, mask);
 }

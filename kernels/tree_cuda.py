@@ -34,11 +34,13 @@ __all__ = [
 ]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_TOPK_THREADS = 512
-_TOPK_LOADS = 2
+_TOPK_WARPS = (8, 4, 2, 1)
+"""Warps per ``ddtree_build_topk`` block (``TOPK_WARPS``): 8, fewer where shared memory is short."""
+_TOPK_UNROLL = 2
+"""16-byte loads per lane and step (``UNROLL`` in build_tree.cu)."""
 _TOPK_MIN_BLOCKS = 2
-"""Blocks of ``ddtree_build_topk`` resident per SM (its ``__launch_bounds__``)."""
-_MERGE_THREADS = 512
+"""Blocks of ``ddtree_build_topk`` resident per SM that its ``__launch_bounds__`` asks for."""
+_MERGE_THREADS = 256
 _SELECT_THREADS = 128
 _ACCEPT_THREADS = 256
 _ACCEPT_LOGIT_THREADS = 1024
@@ -50,6 +52,12 @@ sm_120 offers about 99 KiB, where ``build_tree_plan`` is called with a smaller l
 _STATIC_SMEM_RESERVE = 36 * 1024
 """Upper bound of any of these kernels' static shared memory (the select kernel's node and
 frontier tables take about 33 KiB)."""
+_TOPK_STATIC_SMEM = 1024
+"""Shared memory of one ``ddtree_build_topk`` block besides its buffers (static and the
+driver's reserve), rounded up."""
+_MAX_PARTS = 32
+"""Most candidate lists per row (chunks times warps) that the merge gathers when rows are split
+to fill the GPU."""
 
 
 @dataclass(frozen=True)
@@ -58,27 +66,31 @@ class BuildTreePlan:
 
     top_k: int
     """Tokens kept per (request, depth) row, ``min(max_budget, vocab_size)``."""
-    loads: int
-    """16-byte loads per thread and tile (``LOADS`` in build_tree.cu): 2, or 1 where shared
-    memory is short."""
+    warps: int
+    """Warps per top-k block (``TOPK_WARPS``)."""
+    unroll: int
+    """16-byte loads per lane and step (``UNROLL``)."""
+    min_blocks: int
+    """Top-k blocks per SM asked of the compiler (``TOPK_MIN_BLOCKS``, caps registers)."""
     tile: int
-    """Vocabulary entries a top-k block reads per step (``TOPK_THREADS * LOADS`` vectors)."""
+    """Vocabulary entries a top-k block reads per step: ``warps * 32 * unroll`` vectors."""
     span: int
-    """Vocabulary entries one top-k block streams (a multiple of ``tile``)."""
+    """Vocabulary entries one top-k block covers (a multiple of ``tile``), ``span / warps`` per
+    warp."""
     num_chunks: int
-    """Top-k blocks per row; with one, the top-k block writes the row and no merge runs."""
-    keep: int
-    """Candidates each top-k block keeps, ``min(top_k, span)``."""
+    """Top-k blocks per row."""
+    num_parts: int
+    """Candidate lists per row handed to the merge, ``num_chunks * warps``."""
     cap: int
-    """Capacity of a top-k block's candidate buffer, ``tile + max(2 * keep, 1024)``: a tile
-    always fits after a compaction to ``keep``."""
+    """Capacity of a warp's candidate buffer, ``top_k + 2 * step`` where a step is
+    ``32 * unroll`` vectors of ``16 / element_size`` entries: a whole step's candidates always
+    fit after a shrink."""
     sort_size: int
     """Power of two >= top_k, the bitonic sort width."""
     lp_in_smem: bool
     """Whether the select kernel copies the per-depth log-prob table to shared memory."""
     topk: jit.LaunchParams
-    merge: jit.LaunchParams | None
-    """None when ``num_chunks == 1``."""
+    merge: jit.LaunchParams
     select: jit.LaunchParams
 
 
@@ -92,6 +104,8 @@ def build_tree_plan(
     element_size: int = 2,
     num_sms: int = 132,
     max_smem_bytes: int = _MAX_SMEM_BYTES,
+    unroll: int = _TOPK_UNROLL,
+    min_blocks: int = _TOPK_MIN_BLOCKS,
 ) -> BuildTreePlan:
     """Launch geometry of ``build_tree`` (pure; no GPU needed).
 
@@ -108,6 +122,8 @@ def build_tree_plan(
         launch fills them.
     max_smem_bytes : int
         Dynamic shared memory one block may use on the target device.
+    unroll, min_blocks : int
+        ``UNROLL`` and ``TOPK_MIN_BLOCKS`` of the top-k kernel (tuning; see build_tree.cu).
 
     Returns
     -------
@@ -116,8 +132,8 @@ def build_tree_plan(
     Raises
     ------
     ValueError
-        The top-k buffer does not fit in shared memory at this budget, or there are more than
-        65535 rows.
+        The candidate buffers or the merge do not fit in shared memory at this budget, or there
+        are more than 65535 rows.
     """
     top_k = min(max_budget, vocab_size)
     sort_size = 1 << max(0, (top_k - 1).bit_length())
@@ -126,10 +142,11 @@ def build_tree_plan(
         raise ValueError(
             f"draft_logits: batch_size * draft_len = {rows} exceeds 65535 rows per launch"
         )
-    # Two 16-byte loads per thread and tile where the buffer fits, else one.
-    for loads in (_TOPK_LOADS, 1):
-        tile = _TOPK_THREADS * loads * (16 // element_size)
-        topk_smem = (tile + max(2 * top_k, 1024) + max(top_k, sort_size, _TOPK_THREADS)) * 8
+    vec = 16 // element_size
+    step = 32 * unroll * vec
+    cap = top_k + 2 * step
+    for warps in _TOPK_WARPS:
+        topk_smem = warps * cap * 8
         if topk_smem <= max_smem_bytes:
             break
     else:
@@ -137,35 +154,50 @@ def build_tree_plan(
             f"max_budget: {max_budget} needs {topk_smem} bytes of shared memory per block, "
             f"{max_smem_bytes} available"
         )
+    tile = warps * step
     tiles = -(-vocab_size // tile)
-    # One block per row once the rows fill every resident slot; fewer rows get split, as far
-    # as the merge's shared memory (all chunks' candidates of a row) allows.
-    chunks = max(1, min(tiles, (num_sms * _TOPK_MIN_BLOCKS) // rows))
-    chunks = max(1, min(chunks, (max_smem_bytes // 8 - sort_size) // top_k))
+    # Blocks per SM that the shared memory allows (the per-block opt-in limit stands in for the
+    # SM's capacity), at most what the register cap was chosen for.
+    resident = max(
+        1,
+        min(
+            min_blocks,
+            (max_smem_bytes + _STATIC_SMEM_RESERVE) // (topk_smem + _TOPK_STATIC_SMEM),
+        ),
+    )
+
+    # Chunks per row: one once the rows fill every resident slot (on the H200 more chunks per
+    # row cost more in per-block set-up and merge than they win back in the last wave), else
+    # enough to fill the slots, with at most _MAX_PARTS candidate lists per row for the merge.
+    # Never more than the merge's shared memory (all parts' candidates of a row) holds.
+    chunks = max(1, min((num_sms * resident) // rows, _MAX_PARTS // warps))
+    fit = (max_smem_bytes // 8 - sort_size) // (top_k * warps)
+    if fit < 1:
+        raise ValueError(
+            f"max_budget: {max_budget} needs more merge shared memory than the "
+            f"{max_smem_bytes} bytes available"
+        )
+    chunks = max(1, min(chunks, fit, tiles))
     span = -(-tiles // chunks) * tile
     num_chunks = -(-vocab_size // span)
-    keep = min(top_k, span)
-    cap = tile + max(2 * keep, 1024)
-    topk_smem = (cap + max(keep, sort_size, _TOPK_THREADS)) * 8
-    merge_smem = (num_chunks * keep + sort_size) * 8
+    num_parts = num_chunks * warps
+    merge_smem = (num_parts * top_k + sort_size) * 8
     lp_bytes = draft_len * top_k * 4
-    lp_in_smem = lp_bytes <= min(max_smem_bytes, 96 * 1024)
+    lp_in_smem = lp_bytes <= max_smem_bytes
     return BuildTreePlan(
         top_k=top_k,
+        warps=warps,
+        unroll=unroll,
+        min_blocks=min_blocks,
         tile=tile,
         span=span,
         num_chunks=num_chunks,
-        keep=keep,
+        num_parts=num_parts,
         cap=cap,
         sort_size=sort_size,
         lp_in_smem=lp_in_smem,
-        topk=jit.LaunchParams((num_chunks, rows, 1), (_TOPK_THREADS, 1, 1), topk_smem),
-        merge=(
-            jit.LaunchParams((rows, 1, 1), (_MERGE_THREADS, 1, 1), merge_smem)
-            if num_chunks > 1
-            else None
-        ),
-        loads=loads,
+        topk=jit.LaunchParams((num_chunks, rows, 1), (warps * 32, 1, 1), topk_smem),
+        merge=jit.LaunchParams((rows, 1, 1), (_MERGE_THREADS, 1, 1), merge_smem),
         select=jit.LaunchParams(
             (batch_size, 1, 1), (_SELECT_THREADS, 1, 1), lp_bytes if lp_in_smem else 0
         ),
@@ -197,8 +229,16 @@ def commit_kv_launch_params(batch_size: int, row_bytes: int) -> jit.LaunchParams
 
 
 @functools.cache
-def _build_kernel(entry: str, dtype_code: int, loads: int, index: int) -> Any:
-    defines = {"DDTREE_DTYPE": dtype_code, "LOADS": loads}
+def _build_kernel(
+    entry: str, dtype_code: int, plan_defines: tuple[int, int, int], index: int
+) -> Any:
+    warps, unroll, min_blocks = plan_defines
+    defines = {
+        "DDTREE_DTYPE": dtype_code,
+        "TOPK_WARPS": warps,
+        "UNROLL": unroll,
+        "TOPK_MIN_BLOCKS": min_blocks,
+    }
     kernel = jit.get_kernel("build_tree.cu", entry, defines, index)
     # Allow the largest dynamic size once (static shared memory stays under 36 KiB), so any
     # smaller size of a later launch fits too.
@@ -269,6 +309,8 @@ def build_tree(
         element_size=element,
         num_sms=_num_sms(index),
         max_smem_bytes=_max_smem(index),
+        unroll=_TOPK_UNROLL,
+        min_blocks=_TOPK_MIN_BLOCKS,
     )
     code = _DTYPE_CODES[draft_logits.dtype]
     rows = batch_size * draft_len
@@ -276,11 +318,11 @@ def build_tree(
     vectorized = vocab_size % (16 // element) == 0 and draft_logits.data_ptr() % 16 == 0
 
     # One scratch allocation: [rows, top_k] log-probs (fp32) and tokens (int32), [rows] counts,
-    # and with several chunks per row [rows, chunks, keep] composites and [rows, chunks, 3] stats.
+    # [rows, parts, top_k] candidate composites and [rows, parts, 3] statistics.
     lp_bytes = _align(rows * plan.top_k * 4)
     count_bytes = _align(rows * 4)
-    part_bytes = _align(rows * plan.num_chunks * plan.keep * 8) if plan.merge else 0
-    stats_bytes = _align(rows * plan.num_chunks * 3 * 4) if plan.merge else 0
+    part_bytes = _align(rows * plan.num_parts * plan.top_k * 8)
+    stats_bytes = _align(rows * plan.num_parts * 3 * 4)
     scratch = torch.empty(
         2 * lp_bytes + count_bytes + part_bytes + stats_bytes, dtype=torch.uint8, device=device
     )
@@ -295,46 +337,39 @@ def build_tree(
     log_probs = torch.empty(batch_size, num_nodes_max, dtype=torch.float32, device=device)
     num_nodes = torch.empty(batch_size, dtype=torch.int32, device=device)
     mask = torch.empty(batch_size, num_nodes_max, words, dtype=torch.int64, device=device)
+    variant = (plan.warps, plan.unroll, plan.min_blocks)
 
     with torch.cuda.device(index):
         jit.launch(
-            _build_kernel("ddtree_build_topk", code, plan.loads, index),
+            _build_kernel("ddtree_build_topk", code, variant, index),
             plan.topk,
             _ptr(draft_logits),
             ctypes.c_float(temperature),
             _i32(vocab_size),
             _i32(plan.span),
-            _i32(plan.num_chunks),
-            _i32(plan.keep),
+            _i32(plan.top_k),
             _i32(plan.cap),
             _i32(int(vectorized)),
             part_keys,
             part_stats,
+            device=index,
+        )
+        jit.launch(
+            _build_kernel("ddtree_build_merge", code, variant, index),
+            plan.merge,
+            part_keys,
+            part_stats,
+            _i32(plan.num_parts),
             _i32(plan.top_k),
             _i32(plan.sort_size),
+            _i32(vocab_size),
             topk_lp,
             topk_tok,
             topk_count,
             device=index,
         )
-        if plan.merge is not None:
-            jit.launch(
-                _build_kernel("ddtree_build_merge", code, plan.loads, index),
-                plan.merge,
-                part_keys,
-                part_stats,
-                _i32(plan.num_chunks),
-                _i32(plan.keep),
-                _i32(plan.top_k),
-                _i32(plan.sort_size),
-                _i32(vocab_size),
-                topk_lp,
-                topk_tok,
-                topk_count,
-                device=index,
-            )
         jit.launch(
-            _build_kernel("ddtree_build_select", code, plan.loads, index),
+            _build_kernel("ddtree_build_select", code, variant, index),
             plan.select,
             topk_lp,
             topk_tok,

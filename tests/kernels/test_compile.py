@@ -12,10 +12,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Variants the ops select with -D macros; every source must compile under each that it reads.
-# Each dtype and each register-tile size appears once per architecture.
+# Each dtype and each top-k block shape appears once per architecture.
 _VARIANTS = {
     "build_tree.cu": [
-        {"DDTREE_DTYPE": dtype, "LOADS": loads} for dtype, loads in ((0, 2), (1, 1), (2, 2))
+        {"DDTREE_DTYPE": dtype, "TOPK_WARPS": warps, "UNROLL": unroll, "TOPK_MIN_BLOCKS": blocks}
+        for dtype, warps, unroll, blocks in ((0, 8, 2, 4), (1, 4, 4, 2), (2, 8, 2, 4))
     ],
     "accept.cu": [
         {"DDTREE_DTYPE": dtype, "ACCEPT_THREADS": threads}

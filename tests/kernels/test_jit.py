@@ -155,25 +155,29 @@ def test_build_tree_plan_covers_the_vocabulary(
     plan = tree_cuda.build_tree_plan(batch_size, draft_len, vocab_size, max_budget)
     rows = batch_size * draft_len
     assert plan.top_k == min(max_budget, vocab_size)
-    assert plan.span % plan.tile == 0 and plan.tile == 512 * plan.loads * 8
+    assert plan.tile == plan.warps * 32 * plan.unroll * 8
+    # Every warp's slice is a whole number of steps, and the chunks cover the vocabulary.
+    assert plan.span % plan.tile == 0
     assert plan.num_chunks * plan.span >= vocab_size > (plan.num_chunks - 1) * plan.span
-    assert plan.keep == min(plan.top_k, plan.span)
-    # After a compaction to `keep` candidates a whole tile still fits in the buffer.
-    assert plan.cap >= plan.keep + plan.tile
+    assert plan.num_parts == plan.num_chunks * plan.warps
+    # Rows are split only while they do not fill the GPU, into at most 32 lists for the merge.
+    assert plan.num_chunks == 1 or plan.num_parts <= 32
+    # After a shrink a whole step of candidates (32 lanes' vectors) still fits.
+    assert plan.cap == plan.top_k + 2 * plan.tile // plan.warps
     assert plan.sort_size >= plan.top_k and plan.sort_size & (plan.sort_size - 1) == 0
     assert plan.topk.grid == (plan.num_chunks, rows, 1)
-    if plan.num_chunks == 1:
-        assert plan.merge is None
-    else:
-        assert plan.merge is not None and plan.merge.grid == (rows, 1, 1)
-        assert plan.merge.shared_mem_bytes == (plan.num_chunks * plan.keep + plan.sort_size) * 8
+    assert plan.topk.block == (plan.warps * 32, 1, 1)
+    assert plan.topk.shared_mem_bytes == plan.warps * plan.cap * 8
+    assert plan.merge.grid == (rows, 1, 1)
+    assert plan.merge.shared_mem_bytes == (plan.num_parts * plan.top_k + plan.sort_size) * 8
     assert plan.select.grid == (batch_size, 1, 1)
-    assert plan.select.block == (128, 1, 1)  # warp 0 selects, all four write the outputs
+    lp_table = draft_len * plan.top_k * 4 if plan.lp_in_smem else 0
+    assert plan.select.shared_mem_bytes == lp_table
 
 
 def test_build_tree_plan_rejects_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="shared memory"):
-        tree_cuda.build_tree_plan(1, 1, 4_000_000, 1024, max_smem_bytes=32 * 1024)
+        tree_cuda.build_tree_plan(1, 1, 4_000_000, 1024, max_smem_bytes=12 * 1024)
     with pytest.raises(ValueError, match="65535"):
         tree_cuda.build_tree_plan(4096, 32, 1000, 16)
 

@@ -71,6 +71,23 @@ _BUILD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("peak", [1e3, 3e5, 1e20, 1e38])
+def test_build_tree_large_logits_give_no_positive_log_prob(peak: float) -> None:
+    """Rows whose largest logit is huge: each step's log-prob stays <= 0 and the tree matches the
+    reference (exp(x - max) must not inherit the rounding error of max * log2(e): at 1e3 that
+    once gave the top token +3e-5, at 1e38 +inf)."""
+    logits = draft_logits(3, 4, 3000, seed=11)
+    logits[:, :, 7] = peak
+    logits[:, 1:, 8] = peak - 2.0  # a runner-up where fp32 still tells them apart (1e3, 3e5)
+    logits = logits.cuda()
+    roots = torch.arange(3, device="cuda")
+    expected = reference.build_tree(logits, roots, 9)
+    _poison_allocator()
+    actual = tree_cuda.build_tree(logits, roots, 9)
+    assert_tree_valid(_tree_to(actual, "cpu"), 3000)  # root 0 and no child above its parent
+    _assert_same_tree(actual, expected, exact_order=True)
+
+
 @pytest.mark.parametrize(
     ("batch_size", "draft_len", "vocab_size", "budget", "dtype", "style"),
     _BUILD_CASES,
