@@ -285,12 +285,18 @@ def ref_tensor_to_proto(tensor: torch.Tensor, ref: tensor_pb2.TensorRef) -> tens
     return tensor_pb2.Tensor(dtype=TORCH_TO_DTYPE[tensor.dtype], shape=list(tensor.shape), ref=ref)
 
 
+def _set_ref(message: tensor_pb2.Tensor, tensor: torch.Tensor, ref: tensor_pb2.TensorRef) -> None:
+    # Filled in place: a submessage built apart and copied in costs half as much again.
+    message.dtype = TORCH_TO_DTYPE[tensor.dtype]
+    message.shape.extend(tensor.shape)
+    message.ref.CopyFrom(ref)
+
+
 def tree_refs_to_proto(refs: tree_pb2.TreeOutputRefs, tree: Tree) -> tree_pb2.Tree:
     """The response ``Tree`` of a tree written into caller memory: references, no bytes."""
     message = tree_pb2.Tree(draft_len=tree.draft_len)
     for name in _TREE_FIELDS:
-        tensor = ref_tensor_to_proto(getattr(tree, name), getattr(refs, name))
-        getattr(message, name).CopyFrom(tensor)
+        _set_ref(getattr(message, name), getattr(tree, name), getattr(refs, name))
     return message
 
 
@@ -300,9 +306,7 @@ def acceptance_refs_to_proto(
     """The response ``Acceptance`` written into caller memory: references, no bytes."""
     message = tree_pb2.Acceptance()
     for name in _ACCEPTANCE_FIELDS:
-        getattr(message, name).CopyFrom(
-            ref_tensor_to_proto(getattr(acceptance, name), getattr(refs, name))
-        )
+        _set_ref(getattr(message, name), getattr(acceptance, name), getattr(refs, name))
     return message
 
 
