@@ -9,7 +9,7 @@
 // kernels call after reading the step's pointers, batch size and scalars from the args block
 // that ddtree_channel_resolve wrote. A block past the step's batch returns before calling in,
 // so a launch sized for the channel's largest batch serves any smaller step. The launch bounds
-// are restored on the wrappers with the same macros (TOPK_THREADS, TOPK_MIN_BLOCKS, ...).
+// are restored on the wrappers with the same macros (TOPK_WARPS, TOPK_MIN_BLOCKS, ...).
 //
 // Compile-time selection: DDTREE_CHANNEL_OP = 1 (build_tree: build_tree.cu with DDTREE_DTYPE the
 // draft logits' dtype) or 2 (accept: accept.cu + commit_kv.cu, DDTREE_DTYPE the target logits'
@@ -81,6 +81,7 @@
 #define DDTREE_DF_BUDGETS 1
 #define DDTREE_DF_ERROR_FLAGS 2
 #define DDTREE_DF_KV_COMMIT 4
+#define DDTREE_DF_CLEAR_FLAGS 8
 
 // Reference slots of the two ops.
 #define DDTREE_B_LOGITS 0
@@ -264,16 +265,17 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS) ddtree_channel_res
   const int mode_tokens = c.op == 2 && c.vocab == 0;
   if (tid == 0) {
     int st = DDTREE_ST_OK, det = 0;
-    const uint32_t allowed = c.op == 1 ? (DDTREE_DF_BUDGETS | DDTREE_DF_ERROR_FLAGS)
-                                       : (DDTREE_DF_ERROR_FLAGS |
-                                          (c.has_kv ? DDTREE_DF_KV_COMMIT : 0));
+    const uint32_t allowed = DDTREE_DF_ERROR_FLAGS | DDTREE_DF_CLEAR_FLAGS |
+                             (c.op == 1 ? DDTREE_DF_BUDGETS : 0) |
+                             (c.op == 2 && c.has_kv ? DDTREE_DF_KV_COMMIT : 0);
+    const bool clear_alone = (flags & DDTREE_DF_CLEAR_FLAGS) && !(flags & DDTREE_DF_ERROR_FLAGS);
     if (*(const volatile int32_t*)cancel) {
       st = DDTREE_ST_CLOSED;
     } else if (op != (uint32_t)c.op) {
       st = DDTREE_ST_BAD_OP;
     } else if (b < 1 || b > c.max_batch) {
       st = DDTREE_ST_BAD_BATCH;
-    } else if (flags & ~allowed) {
+    } else if ((flags & ~allowed) || clear_alone) {
       st = DDTREE_ST_BAD_FLAGS;
     } else if (c.op == 1 && !(flags & DDTREE_DF_BUDGETS) &&
                (budget < 1 || budget > (uint32_t)c.max_budget)) {
@@ -335,6 +337,10 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS) ddtree_channel_res
   }
   if (status == DDTREE_ST_OK && !(flags & DDTREE_DF_ERROR_FLAGS)) {
     for (int i = tid; i < batch; i += RESOLVE_THREADS) own_flags[i] = 0;
+  }
+  if (status == DDTREE_ST_OK && (flags & DDTREE_DF_CLEAR_FLAGS)) {
+    int32_t* given = (int32_t*)args->ptr[c.op == 1 ? DDTREE_B_FLAGS : DDTREE_A_FLAGS];
+    for (int i = tid; i < batch; i += RESOLVE_THREADS) given[i] = 0;
   }
   if (tid == 0) {
     const int fr = c.op == 1 ? DDTREE_B_FLAGS : DDTREE_A_FLAGS;
@@ -432,25 +438,22 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) ddtree_channel_fini
 #endif
 
 #if DDTREE_CHANNEL_OP == 1
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS, TOPK_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS)
     ddtree_channel_build_topk(const DdtreeChannelArgs* __restrict__ a, int32_t draft_len,
-                              int32_t vocab, int32_t span, int32_t num_chunks, int32_t keep,
-                              int32_t cap, int32_t vectorized, uint64_t* part_keys,
-                              float* part_stats, int32_t top_k, int32_t sort_size,
-                              float* topk_lp, int32_t* topk_tok, int32_t* topk_count) {
+                              int32_t vocab, int32_t span, int32_t top_k, int32_t cap,
+                              int32_t vectorized, uint64_t* part_keys, float* part_stats) {
   if (a->status != 0 || blockIdx.y >= (unsigned)(a->batch_size * draft_len)) return;
   ddtree_build_topk((const ddtree_logit_t*)a->ptr[DDTREE_B_LOGITS], a->temperature, vocab, span,
-                    num_chunks, keep, cap, vectorized, part_keys, part_stats, top_k, sort_size,
-                    topk_lp, topk_tok, topk_count);
+                    top_k, cap, vectorized, part_keys, part_stats);
 }
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_channel_build_merge(
     const DdtreeChannelArgs* __restrict__ a, int32_t draft_len, const uint64_t* part_keys,
-    const float* part_stats, int32_t num_chunks, int32_t keep, int32_t top_k, int32_t sort_size,
-    int32_t vocab, float* topk_lp, int32_t* topk_tok, int32_t* topk_count) {
+    const float* part_stats, int32_t num_parts, int32_t top_k, int32_t sort_size, int32_t vocab,
+    float* topk_lp, int32_t* topk_tok, int32_t* topk_count) {
   if (a->status != 0 || blockIdx.x >= (unsigned)(a->batch_size * draft_len)) return;
-  ddtree_build_merge(part_keys, part_stats, num_chunks, keep, top_k, sort_size, vocab, topk_lp,
-                     topk_tok, topk_count);
+  ddtree_build_merge(part_keys, part_stats, num_parts, top_k, sort_size, vocab, topk_lp, topk_tok,
+                     topk_count);
 }
 
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_channel_build_select(

@@ -66,6 +66,7 @@ MAX_RING_SIZE = 64
 """Largest ring (slots); steps in flight per channel are at most ``ring_size``."""
 
 _HEADER = struct.Struct("<IIIIfIq")
+_FLT_MAX = 3.4028234663852886e38
 _REF = struct.Struct("<IIQ")
 
 
@@ -116,6 +117,9 @@ class DescriptorFlag(enum.IntFlag):
     """The caller's error-flags tensor is in slot ``error_flags`` (else the service's own)."""
     KV_COMMIT = 4
     """accept: commit the KV cache (slots ``kv_cache``, ``block_table``, ``prefix_lens``)."""
+    CLEAR_ERROR_FLAGS = 8
+    """With ``ERROR_FLAGS``: the service zeroes the caller's error flags before the op (else
+    a non-zero entry on entry skips that request)."""
 
 
 BUILD_REFS = (
@@ -263,6 +267,13 @@ class ChannelShape:
         return self.logit_align == 16
 
 
+def _f32(value: float) -> float:
+    """``value`` rounded to fp32 as the descriptor stores it (too large: +-inf, NaN stays)."""
+    if math.isfinite(value) and abs(value) > _FLT_MAX:
+        return math.copysign(math.inf, value)
+    return float(struct.unpack("<f", struct.pack("<f", value))[0])
+
+
 def ring_offset(ring_size: int) -> int:
     """Byte offset of descriptor slot 0 (after the records, rounded up to 256)."""
     return -(-(RECORDS_OFFSET + 16 * ring_size) // 256) * 256
@@ -305,7 +316,7 @@ def pack_descriptor(desc: StepDescriptor) -> bytes:
                 desc.batch_size,
                 int(desc.flags),
                 desc.budget,
-                desc.temperature,
+                _f32(desc.temperature),
                 0,
                 desc.seed,
             )
@@ -403,17 +414,20 @@ def validate_descriptor(
         The status and its detail (the reference slot for reference and budget errors).
     """
     op, b, flags = desc.op, desc.batch_size, int(desc.flags)
-    temperature = struct.unpack("<f", struct.pack("<f", desc.temperature))[0]
+    temperature = _f32(desc.temperature)
     build = shape.op == ChannelOp.BUILD_TREE
-    allowed = DescriptorFlag.BUDGETS | DescriptorFlag.ERROR_FLAGS
-    if not build:
-        allowed = DescriptorFlag.ERROR_FLAGS | (DescriptorFlag.KV_COMMIT if shape.has_kv else 0)
+    allowed = DescriptorFlag.ERROR_FLAGS | DescriptorFlag.CLEAR_ERROR_FLAGS
+    allowed |= DescriptorFlag.BUDGETS if build else 0
+    allowed |= DescriptorFlag.KV_COMMIT if not build and shape.has_kv else 0
     finite = math.isfinite(temperature)
     if op != shape.op:
         return StepStatus.BAD_OP, 0
     if not 1 <= b <= shape.max_batch_size:
         return StepStatus.BAD_BATCH, 0
-    if flags & ~int(allowed):
+    clear_alone = (
+        flags & DescriptorFlag.CLEAR_ERROR_FLAGS and not flags & DescriptorFlag.ERROR_FLAGS
+    )
+    if flags & ~int(allowed) or clear_alone:
         return StepStatus.BAD_FLAGS, 0
     if build and not flags & DescriptorFlag.BUDGETS and not 1 <= desc.budget <= shape.max_budget:
         return StepStatus.BAD_BUDGET, 0

@@ -31,6 +31,8 @@ from ddtree.kernels.channel import (
     ChannelShape,
 )
 from ddtree.kernels.tree_cuda import (
+    _TOPK_MIN_BLOCKS,
+    _TOPK_UNROLL,
     _max_smem,
     _num_sms,
     accept_launch_params,
@@ -231,12 +233,17 @@ class ChannelDevice:
             element_size=shape.logit_bytes,
             num_sms=_num_sms(index),
             max_smem_bytes=_max_smem(index),
+            unroll=_TOPK_UNROLL,
+            min_blocks=_TOPK_MIN_BLOCKS,
         )
         self.plan = plan
+        # The RPC path's variant macros (tree_cuda._build_kernel), plus the channel's op.
         defines = {
             "DDTREE_CHANNEL_OP": 1,
             "DDTREE_DTYPE": shape.logit_code,
-            "LOADS": plan.loads,
+            "TOPK_WARPS": plan.warps,
+            "UNROLL": plan.unroll,
+            "TOPK_MIN_BLOCKS": plan.min_blocks,
         }
         self._topk = jit.get_kernel("channel.cu", "ddtree_channel_build_topk", defines, index)
         self._merge = jit.get_kernel("channel.cu", "ddtree_channel_build_merge", defines, index)
@@ -250,8 +257,8 @@ class ChannelDevice:
 
         lp_bytes = align(rows * plan.top_k * 4)
         count_bytes = align(rows * 4)
-        part_bytes = align(rows * plan.num_chunks * plan.keep * 8) if plan.merge else 0
-        stats_bytes = align(rows * plan.num_chunks * 3 * 4) if plan.merge else 0
+        part_bytes = align(rows * plan.num_parts * plan.top_k * 8)
+        stats_bytes = align(rows * plan.num_parts * 3 * 4)
         self.scratch = torch.empty(
             2 * lp_bytes + count_bytes + part_bytes + stats_bytes,
             dtype=torch.uint8,
@@ -343,37 +350,29 @@ class ChannelDevice:
             _i32(shape.draft_len),
             _i32(shape.vocab_size),
             _i32(plan.span),
-            _i32(plan.num_chunks),
-            _i32(plan.keep),
+            _i32(plan.top_k),
             _i32(plan.cap),
             _i32(int(shape.is_vectorized)),
             self._part_keys,
             self._part_stats,
+            device=index,
+        )
+        jit.launch(
+            self._merge,
+            plan.merge,
+            args,
+            _i32(shape.draft_len),
+            self._part_keys,
+            self._part_stats,
+            _i32(plan.num_parts),
             _i32(plan.top_k),
             _i32(plan.sort_size),
+            _i32(shape.vocab_size),
             self._topk_lp,
             self._topk_tok,
             self._topk_count,
             device=index,
         )
-        if plan.merge is not None:
-            jit.launch(
-                self._merge,
-                plan.merge,
-                args,
-                _i32(shape.draft_len),
-                self._part_keys,
-                self._part_stats,
-                _i32(plan.num_chunks),
-                _i32(plan.keep),
-                _i32(plan.top_k),
-                _i32(plan.sort_size),
-                _i32(shape.vocab_size),
-                self._topk_lp,
-                self._topk_tok,
-                self._topk_count,
-                device=index,
-            )
         jit.launch(
             self._select,
             plan.select,

@@ -22,6 +22,15 @@ _VARIANTS = {
         {"DDTREE_DTYPE": dtype, "ACCEPT_THREADS": threads}
         for dtype, threads in ((0, 256), (1, 1024), (2, 256))
     ],
+    # 0: the protocol kernels alone (caller side); 1: with build_tree.cu; 2: with accept.cu and
+    # commit_kv.cu (target tokens: 256 threads; target logits: 1024).
+    "channel.cu": [
+        {},
+        {"DDTREE_CHANNEL_OP": 1, "DDTREE_DTYPE": 1, "TOPK_WARPS": 8, "UNROLL": 2},
+        {"DDTREE_CHANNEL_OP": 1, "DDTREE_DTYPE": 0, "TOPK_WARPS": 4, "UNROLL": 2},
+        {"DDTREE_CHANNEL_OP": 2, "DDTREE_DTYPE": 0, "ACCEPT_THREADS": 256, "COLS_PER_BLOCK": 64},
+        {"DDTREE_CHANNEL_OP": 2, "DDTREE_DTYPE": 2, "ACCEPT_THREADS": 1024, "COLS_PER_BLOCK": 64},
+    ],
 }
 
 
@@ -36,7 +45,7 @@ def _cases() -> list[tuple[str, str, dict[str, int]]]:
 
 def test_every_source_is_listed() -> None:
     names = jit.kernel_sources()
-    assert {"build_tree.cu", "accept.cu", "commit_kv.cu"} <= set(names), names
+    assert {"build_tree.cu", "accept.cu", "commit_kv.cu", "channel.cu"} <= set(names), names
 
 
 @pytest.mark.parametrize(
