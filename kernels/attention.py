@@ -31,7 +31,13 @@ def verify_attention(
     ``p < prefix_len[b]`` and to ``prefix_len[b] + j`` for each ``j < num_nodes[b]`` whose bit
     is set in ``tree.mask[b, i]``. Keys are the full ``head_dim`` latent, values its first
     ``v_dim`` dims (MLA in absorbed form, one latent shared by all heads). Node slots at or past
-    ``num_nodes[b]`` get ``out = 0`` and ``lse = -inf``.
+    ``num_nodes[b]``, and rows whose visible scores are all ``-inf``, get ``out = 0`` and
+    ``lse = -inf``. Cache rows past ``prefix_len[b] + num_nodes[b]`` are never read. A NaN or
+    infinity in ``q`` or in a cache row of the range ``[0, prefix_len[b] + num_nodes[b])``
+    (visible to a node or not: a kernel multiplies a probability of 0 by it), or a scaled score
+    ``q . k * sm_scale`` that overflows fp32 (the CUDA kernel works in base 2, so at
+    ``3.4e38 / log2(e)``), leaves that request's other rows unspecified: they may be NaN,
+    infinite or finite. Other requests are unaffected.
 
     Parameters
     ----------

@@ -520,6 +520,8 @@ def verify_attention(
     position = torch.arange(span, device=device)  # [span]
     pages = block_table.long()[:, position // page_size].clamp(0, num_pages - 1)  # [batch, span]
     keys = kv_cache[pages, position % page_size].float()  # [batch, span, head_dim]
+    in_range = position[None, :] < (prefix + num_nodes)[:, None]  # [batch, span]
+    keys = torch.where(in_range[..., None], keys, 0.0)  # rows past a request's range: unread
 
     tree_slot = position[None, :] - prefix[:, None]  # [batch, span]
     in_tree = (tree_slot >= 0) & (tree_slot < num_nodes[:, None])  # [batch, span]
@@ -536,9 +538,10 @@ def verify_attention(
     scores = torch.einsum("bnhd,btd->bnht", q.float(), keys) * sm_scale  # [b, nodes, heads, span]
     scores = scores.masked_fill(~visible[:, :, None, :], _NEG_INF)  # [batch, nodes, heads, span]
     new_lse = torch.logsumexp(scores, dim=-1)  # [batch, nodes, heads]
-    has_any = torch.isfinite(new_lse)[..., None]  # [batch, nodes, heads, 1]
+    has_any = (new_lse != _NEG_INF)[..., None]  # [batch, nodes, heads, 1]; NaN counts as some
     probs = torch.where(has_any, torch.exp(scores - new_lse[..., None]), 0.0)  # [b, n, h, span]
     new_out = torch.einsum("bnht,btv->bnhv", probs, keys[..., :v_dim])  # [b, nodes, heads, v_dim]
+    new_out = torch.where(has_any, new_out, 0.0)  # rows that see nothing: 0 whatever the cache
     out[keep] = new_out[keep].to(out.dtype)
     lse[keep] = new_lse[keep]
     return out, lse

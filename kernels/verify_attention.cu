@@ -626,8 +626,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) ddtree_verify_attentio
       float l = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarpsN; ++w) l += red[w * kBlockM + r];
-      // Padding rows (node >= num_nodes) and rows that saw no key: out 0, lse -inf.
-      const bool live = row < valid_rows && l > 0.f;
+      // Padding rows (node >= num_nodes) and rows that saw no key: out 0, lse -inf. A NaN sum
+      // (a NaN or infinity in q or the cache) stays live, so the NaN reaches out and lse.
+      const bool live = row < valid_rows && !(l == 0.f);
       const float inv = live ? 1.f / l : 0.f;
       const float row_lse = live ? (row_max[mi][h] + __log2f(l)) * ln2 : neg_inf();
       if (row >= rows) continue;
@@ -667,11 +668,16 @@ extern "C" __global__ void __launch_bounds__(128) ddtree_verify_attention_combin
   const long long orow = (long long)b * rows + row;
   const long long split_stride = (long long)batch_size * rows;
   float m = neg_inf();
+  bool nan = false;  // fmaxf skips NaN: a NaN split must not make the row look empty
   if (row < num_nodes[b] * num_heads) {
-    for (int s = 0; s < num_splits; ++s) m = fmaxf(m, part_lse[s * split_stride + orow]);
+    for (int s = 0; s < num_splits; ++s) {
+      const float ls = part_lse[s * split_stride + orow];
+      m = fmaxf(m, ls);
+      nan |= isnan(ls);
+    }
   }
   constexpr int kVec = kVDim / 4;  // float4 groups per row
-  if (m == neg_inf()) {
+  if (m == neg_inf() && !nan) {
     for (int i = threadIdx.x; i < kVec; i += blockDim.x) {
       *reinterpret_cast<uint2*>(out + orow * kVDim + 4 * i) = make_uint2(0, 0);
     }

@@ -67,6 +67,32 @@ def test_writes_into_given_outputs_and_pads_unused_nodes() -> None:
         assert torch.isfinite(lse[b, :n]).all()
 
 
+def test_non_finite_values_stay_where_the_contract_puts_them() -> None:
+    """NaN in cache rows past a request's range changes nothing; NaN in one node's q makes that
+    node's rows NaN (never a finite answer), while padding slots keep 0 / -inf."""
+    tree = random_tree(2, 10, 3, 5, shape="random", seed=5)
+    prefix_lens = torch.tensor([6, 3], dtype=torch.int32)
+    ends = prefix_lens + tree.num_nodes
+    cache, table = paged_cache(ends + 8, 4, 16, seed=6)  # 8 spare rows past each range
+    q = torch.randn(2, 10, 2, 16).to(torch.bfloat16)
+    out, lse = reference.verify_attention(q, cache, table, prefix_lens, tree, v_dim=8)
+
+    poisoned = cache.clone()
+    for b in range(2):
+        for position in range(int(ends[b]), int(ends[b]) + 8):
+            poisoned[table[b, position // 4], position % 4] = float("nan")
+    out2, lse2 = reference.verify_attention(q, poisoned, table, prefix_lens, tree, v_dim=8)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+    q_nan = q.clone()
+    q_nan[1, 0, 1] = float("nan")
+    out3, lse3 = reference.verify_attention(q_nan, cache, table, prefix_lens, tree, v_dim=8)
+    assert out3[1, 0, 1].isnan().all() and lse3[1, 0, 1].isnan()
+    pad = int(tree.num_nodes[1])
+    assert (out3[1, pad:] == 0).all() and (lse3[1, pad:] == float("-inf")).all()
+    assert torch.equal(out3[0], out[0]) and torch.equal(lse3[0], lse[0])
+
+
 def test_flagged_requests_keep_their_outputs() -> None:
     tree = random_tree(3, 8, 3, 5, shape="star", seed=1)
     prefix_lens = torch.tensor([3, 5, -2], dtype=torch.int32)
