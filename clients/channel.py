@@ -297,7 +297,9 @@ class Channel:
             raise _wire.error_from_rpc(err) from None
 
     def _register(self, tensor: torch.Tensor) -> None:
-        allocation, _ = locate(tensor.reshape(-1)[:1] if tensor.numel() else tensor, "tensors")
+        if tensor.numel() == 0:
+            return
+        allocation, _ = locate(tensor, "tensors")
         for known, _token in self._allocations:
             if known.base_pointer == allocation.base_pointer:
                 return
@@ -344,20 +346,18 @@ class Channel:
 
     def _release(self, reason: str) -> None:
         """Mark the control block SERVICE_LOST and complete any outstanding step (watchdog)."""
-        from cuda.bindings import driver
+        from ddtree.kernels.channel_cuda import write_values
 
         self.closed_reason = reason
         ctrl = self.control.data_ptr()
-        with torch.cuda.device(self.device):
-            side = torch.cuda.Stream(self.device)
-            handle = driver.CUstream(side.cuda_stream)
-            for offset, value in (
-                (STATE_OFFSET, int(ChannelState.SERVICE_LOST)),
-                (LAST_STATUS_OFFSET, int(StepStatus.SERVICE_LOST)),
-                (DONE_OFFSET, 1),
-            ):
-                driver.cuStreamWriteValue32(handle, driver.CUdeviceptr(ctrl + offset), value, 0)
-            side.synchronize()
+        write_values(
+            self.device.index or 0,
+            [
+                (ctrl + STATE_OFFSET, int(ChannelState.SERVICE_LOST), 32),
+                (ctrl + LAST_STATUS_OFFSET, int(StepStatus.SERVICE_LOST), 32),
+                (ctrl + DONE_OFFSET, 1, 32),
+            ],
+        )
         self._lost.set()
 
     @property

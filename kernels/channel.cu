@@ -54,7 +54,7 @@
 #define DDTREE_CH_STATE 20        // u32, 0 open, 1 closed by the service, 2 service lost
 #define DDTREE_CH_LAST_STATUS 24  // {u32 status, u32 detail, u64 step}
 #define DDTREE_CH_RECORDS 64      // ring_size records {u32 status, u32 detail, u64 step}
-#define DDTREE_CH_RING(ring) (DDTREE_CH_RECORDS + 16 * (ring) + 255) / 256 * 256
+#define DDTREE_CH_RING(ring) ((DDTREE_CH_RECORDS + 16 * (ring) + 255) / 256 * 256)
 #define DDTREE_CH_DESC_BYTES 256
 #define DDTREE_CH_DESC_WORDS 32
 #define DDTREE_CH_REFS 14

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ __all__ = [
     "post_step",
     "result_slot_ints",
     "wait_step",
+    "write_values",
 ]
 
 ARGS_BYTES = 256
@@ -127,6 +129,7 @@ def wait_step(control: torch.Tensor, *, use_memop: bool = True) -> None:
         return
     from cuda.bindings import driver
 
+    jit._make_current(index)
     stream = torch.cuda.current_stream(index).cuda_stream
     (err,) = driver.cuStreamWaitValue32(
         driver.CUstream(stream),
@@ -136,6 +139,33 @@ def wait_step(control: torch.Tensor, *, use_memop: bool = True) -> None:
     )
     if err != driver.CUresult.CUDA_SUCCESS:
         raise jit.CudaError("cuStreamWaitValue32 on the channel's done word", result_name=err.name)
+
+
+def write_values(device_index: int, writes: Sequence[tuple[int, int, int]]) -> None:
+    """Write ``(address, value, bits)`` words in order from a private non-blocking stream, and
+    wait for them (control-plane writes: the watchdog, closing a channel).
+
+    The stream is created non-blocking so that it never waits for the legacy default stream,
+    which may be the very stream blocked on the channel.
+    """
+    from cuda.bindings import driver
+
+    jit._make_current(device_index)
+    flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+    err, stream = driver.cuStreamCreate(int(flags))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise jit.CudaError("cuStreamCreate for channel control writes", result_name=err.name)
+    try:
+        for address, value, bits in writes:
+            write = driver.cuStreamWriteValue64 if bits == 64 else driver.cuStreamWriteValue32
+            (err,) = write(stream, driver.CUdeviceptr(address), value, 0)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise jit.CudaError("cuStreamWriteValue on a channel", result_name=err.name)
+        (err,) = driver.cuStreamSynchronize(stream)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise jit.CudaError("cuStreamSynchronize of channel writes", result_name=err.name)
+    finally:
+        driver.cuStreamDestroy(stream)
 
 
 def _config_words(shape: ChannelShape, num_regions: int) -> list[int]:
@@ -211,9 +241,11 @@ class ChannelDevice:
         self.budgets = torch.zeros(shape.max_batch_size, dtype=torch.int32, device=device)
         self.own_flags = torch.zeros(shape.max_batch_size, dtype=torch.int32, device=device)
         self.slot_ints = result_slot_ints(shape)
+        # Rows of a multiple of 4 words: each row's int64 step word is 16-byte aligned.
+        width = -(-(2 + self.slot_ints) // 4) * 4
         self.results = torch.zeros(
-            depth, 2 + self.slot_ints, dtype=torch.int32, pin_memory=True
-        )  # [depth, 2 + slot_ints]: int64 step word, then the slot's int32 words
+            depth, width, dtype=torch.int32, pin_memory=True
+        )  # [depth, width]: int64 step word, then the slot's int32 words
         self._resolve = _protocol_kernel("ddtree_channel_resolve", index)
         self._finish = _protocol_kernel("ddtree_channel_finish", index)
         if shape.op == ChannelOp.BUILD_TREE:
@@ -299,16 +331,19 @@ class ChannelDevice:
         from cuda.bindings import driver
 
         index = self._index
+        jit._make_current(index)
         stream = torch.cuda.current_stream(index).cuda_stream
-        (err,) = driver.cuStreamWaitValue64(
+        # The doorbell's low word (little-endian), compared cyclically: 32-bit stream memory
+        # operations are available on every device, the 64-bit ones only where the device says.
+        (err,) = driver.cuStreamWaitValue32(
             driver.CUstream(stream),
             driver.CUdeviceptr(self.control.data_ptr() + DOORBELL_OFFSET),
-            step,
+            step & 0xFFFFFFFF,
             driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
         )
         if err != driver.CUresult.CUDA_SUCCESS:
             raise jit.CudaError(
-                "cuStreamWaitValue64 on the channel's doorbell", result_name=err.name
+                "cuStreamWaitValue32 on the channel's doorbell", result_name=err.name
             )
         ctrl = self.control.data_ptr()
         args = self.args.data_ptr()

@@ -232,30 +232,24 @@ class _Channel:
 
     def _drain(self, stream: torch.cuda.Stream, enqueued: int) -> None:
         """Fail every enqueued step and wait for the stream; bounded by ``_DRAIN_TIMEOUT_S``."""
-        from cuda.bindings import driver
+        from ddtree.kernels.channel_cuda import write_values
 
         dev = self.dev
-        side = torch.cuda.Stream(dev.device)
+        index = dev.device.index or 0
         ctrl = dev.control.data_ptr()
-        with torch.cuda.stream(side):
-            dev.cancel.fill_(1)
-            handle = driver.CUstream(side.cuda_stream)
-            driver.cuStreamWriteValue32(
-                handle, driver.CUdeviceptr(ctrl + STATE_OFFSET), int(ChannelState.CLOSED), 0
-            )
-        side.synchronize()
+        # The resolve kernels of the enqueued steps read the cancel word: CLOSED, no op runs.
+        write_values(
+            index,
+            [
+                (dev.cancel.data_ptr(), 1, 32),
+                (ctrl + STATE_OFFSET, int(ChannelState.CLOSED), 32),
+            ],
+        )
         deadline = time.monotonic() + _DRAIN_TIMEOUT_S
         while not stream.query():
             # Raise the doorbell past every enqueued step (again, in case a caller's post that
             # read OPEN before the state changed wrote a smaller value meanwhile).
-            with torch.cuda.stream(side):
-                driver.cuStreamWriteValue64(
-                    driver.CUstream(side.cuda_stream),
-                    driver.CUdeviceptr(ctrl + DOORBELL_OFFSET),
-                    enqueued,
-                    0,
-                )
-            side.synchronize()
+            write_values(index, [(ctrl + DOORBELL_OFFSET, enqueued & 0xFFFFFFFF, 32)])
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"the channel's stream did not drain within {_DRAIN_TIMEOUT_S} s"
@@ -426,7 +420,8 @@ class ChannelTable:
                     shape, ctrl, ring_size, table, self.limits.depth, device
                 )
                 # Its tensors were filled on this thread's stream; the step thread uses another.
-                torch.cuda.synchronize(device)
+                # (Never a device-wide sync: other channels' streams wait on their doorbells.)
+                torch.cuda.current_stream(device).synchronize()
         except BaseException:
             leases.release()
             with self._lock:

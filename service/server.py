@@ -396,17 +396,21 @@ class Server:
 def device_failure(device: torch.device) -> str | None:
     """The sticky CUDA error of ``device``'s context, or ``None`` (always ``None`` on the CPU).
 
-    Synchronises the device twice: an error of an earlier asynchronous launch that is not
-    sticky is reported once and cleared, while a sticky one (illegal address, trap, ...) leaves
-    the context unusable and is reported by every call, so only an error of both counts.
-    Blocks until the device's queued work is done.
+    Launches a tiny op on a stream of its own and synchronises that stream, twice: an error of
+    an earlier asynchronous launch that is not sticky is reported once and cleared, while a
+    sticky one (illegal address, trap, ...) leaves the context unusable and is reported by every
+    call, so only an error of both counts. Never a device-wide synchronisation: GPU doorbell
+    channels keep steps enqueued that wait for their callers (docs/channel.md).
     """
     if device.type != "cuda":
         return None
     errors = []
     for _ in range(2):
         try:
-            torch.cuda.synchronize(device)
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(stream):
+                torch.ones(1, device=device).add_(1)
+            stream.synchronize()
         except RuntimeError as err:  # torch.AcceleratorError
             errors.append(str(err))
         else:
