@@ -333,9 +333,13 @@ class Channel:
                 if message.state == pb.CHANNEL_STATE_OPEN:
                     self._watch_open.set()
                 elif message.state == pb.CHANNEL_STATE_CLOSED:
-                    # The server marked the control block CLOSED and failed pending steps.
-                    self.closed_reason = message.reason or "closed"
+                    # The server marked the control block CLOSED and failed pending steps,
+                    # except after a failure of its own: then release the stream here too.
+                    reason = message.reason or "closed"
                     self._watch_open.set()
+                    if reason.startswith("failed") and not self._closing:
+                        self._release(reason)
+                    self.closed_reason = reason
                     return
         except grpc.RpcError:
             pass

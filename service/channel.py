@@ -259,7 +259,16 @@ class _Channel:
     def _finish(self, reason: str) -> None:
         if reason.startswith("failed"):
             # The stream may still hold work on the caller's memory: keep the mappings (leak)
-            # rather than unmap under it. A sticky error makes the server exit anyway.
+            # rather than unmap under it. A sticky error makes the server exit anyway. Best
+            # effort, mark the control block CLOSED so that the caller's next post returns.
+            from ddtree.kernels.channel_cuda import write_values
+
+            try:
+                ctrl = self.dev.control.data_ptr()
+                index = self.dev.device.index or 0
+                write_values(index, [(ctrl + STATE_OFFSET, int(ChannelState.CLOSED), 32)])
+            except Exception as err:
+                _log.warning("event=channel_mark_closed_failed error=%s", err)
             _log.error("event=channel_leaked channel_id=%s", self.channel_id)
         else:
             self.leases.release()
