@@ -13,7 +13,8 @@
 //    the warp's buffer of `cap` composites; when a vector's candidates might not fit, the warp
 //    keeps the K largest of its buffer (a warp radix select) and raises the block threshold to the
 //    smallest of them (a lower bound of the row's K-th largest entry: the warp saw K entries at or
-//    above it). On random logits only O(K log(V / K)) entries ever pass. At the end every warp
+//    above it). For K <= 32 * UNROLL the first threshold is the smallest of the warp's first-step
+//    vector maxima. On random logits only O(K log(V / K)) entries ever pass. At the end every warp
 //    writes its statistics and its candidates at or above the final threshold (a superset of its
 //    share of the row's top K), padded with composite 0, as one "part" of the row.
 // 2. ddtree_build_merge  grid (rows), block MERGE_THREADS, dynamic shared memory
