@@ -238,6 +238,7 @@ class Channel:
         self._rpc = grpc.insecure_channel(address)
         self._stub = pb_grpc.TreeSpeculationServiceStub(self._rpc)
         self._allocations: list[tuple[Allocation, str]] = []
+        self._handles: list[bytes] = []
         self._tokens: list[str] = []
         self._client_id = client_id or f"channel-{id(self):x}"
         try:
@@ -250,11 +251,17 @@ class Channel:
                     region_token=self._allocations[control_ref.region][1],
                     offset_bytes=control_ref.offset_bytes,
                     byte_size=self.control.numel(),
+                    ipc_handle=self._handles[control_ref.region],
                 ),
                 ring_size=ring_size,
                 regions=[
-                    pb.ChannelRegion(region_token=token, offset_bytes=0, byte_size=a.byte_size)
-                    for a, token in self._allocations
+                    pb.ChannelRegion(
+                        region_token=token,
+                        offset_bytes=0,
+                        byte_size=a.byte_size,
+                        ipc_handle=handle,
+                    )
+                    for (a, token), handle in zip(self._allocations, self._handles, strict=True)
                 ],
                 max_batch_size=max_batch_size,
                 draft_len=draft_len,
@@ -304,16 +311,18 @@ class Channel:
             if known.base_pointer == allocation.base_pointer:
                 return
         index = self.device.index or 0
+        handle = ipc_mem_handle(allocation, index)
         response = self._call(
             self._stub.RegisterMemory,
             pb.RegisterMemoryRequest(
-                ipc_handle=ipc_mem_handle(allocation, index),
+                ipc_handle=handle,
                 device_uuid=device_uuid(index),
                 byte_size=allocation.byte_size,
                 client_id=self._client_id,
             ),
         )
         self._allocations.append((allocation, response.region_token))
+        self._handles.append(handle)
 
     def _unregister_all(self) -> None:
         for _, token in self._allocations:
@@ -324,6 +333,7 @@ class Channel:
             except grpc.RpcError:
                 continue  # cleanup: a server that is gone has forgotten them anyway
         self._allocations = []
+        self._handles = []
 
     def _watch(self) -> None:
         try:

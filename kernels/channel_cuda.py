@@ -46,6 +46,7 @@ __all__ = [
     "ARGS_BYTES",
     "RESULT_HEADER_INTS",
     "ChannelDevice",
+    "create_stream",
     "post_step",
     "result_slot_ints",
     "wait_step",
@@ -141,12 +142,13 @@ def wait_step(control: torch.Tensor, *, use_memop: bool = True) -> None:
         raise jit.CudaError("cuStreamWaitValue32 on the channel's done word", result_name=err.name)
 
 
-def write_values(device_index: int, writes: Sequence[tuple[int, int, int]]) -> None:
-    """Write ``(address, value, bits)`` words in order from a private non-blocking stream, and
-    wait for them (control-plane writes: the watchdog, closing a channel).
+def create_stream(device_index: int) -> int:
+    """A new non-blocking CUDA stream of the device's primary context (raw handle).
 
-    The stream is created non-blocking so that it never waits for the legacy default stream,
-    which may be the very stream blocked on the channel.
+    Non-blocking, so that it never waits for the legacy default stream. Within one context,
+    streams created one after the other land on different hardware queues (connections), which
+    matters here: a queue whose head is a stream waiting on a doorbell holds every stream that
+    shares it.
     """
     from cuda.bindings import driver
 
@@ -154,18 +156,33 @@ def write_values(device_index: int, writes: Sequence[tuple[int, int, int]]) -> N
     flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
     err, stream = driver.cuStreamCreate(int(flags))
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise jit.CudaError("cuStreamCreate for channel control writes", result_name=err.name)
+        raise jit.CudaError("cuStreamCreate for a channel", result_name=err.name)
+    return int(stream)
+
+
+def write_values(
+    device_index: int, writes: Sequence[tuple[int, int, int]], stream: int | None = None
+) -> None:
+    """Write ``(address, value, bits)`` words in order on ``stream`` (a raw handle; a new
+    non-blocking stream when ``None``) and wait for them: control-plane writes (the watchdog,
+    closing a channel)."""
+    from cuda.bindings import driver
+
+    jit._make_current(device_index)
+    own = stream is None
+    handle = driver.CUstream(create_stream(device_index) if own else stream)
     try:
         for address, value, bits in writes:
             write = driver.cuStreamWriteValue64 if bits == 64 else driver.cuStreamWriteValue32
-            (err,) = write(stream, driver.CUdeviceptr(address), value, 0)
+            (err,) = write(handle, driver.CUdeviceptr(address), value, 0)
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise jit.CudaError("cuStreamWriteValue on a channel", result_name=err.name)
-        (err,) = driver.cuStreamSynchronize(stream)
+        (err,) = driver.cuStreamSynchronize(handle)
         if err != driver.CUresult.CUDA_SUCCESS:
             raise jit.CudaError("cuStreamSynchronize of channel writes", result_name=err.name)
     finally:
-        driver.cuStreamDestroy(stream)
+        if own:
+            driver.cuStreamDestroy(handle)
 
 
 def _config_words(shape: ChannelShape, num_regions: int) -> list[int]:

@@ -3,23 +3,34 @@
 A channel serves one op for a fixed shape. Its control block lives in the caller's GPU memory
 (a registered region); its steps are described by descriptors the caller writes into that block,
 each naming byte offsets into the channel's regions (registered memory of the same owner,
-leased for the channel's lifetime). For each channel the service keeps, on a dedicated stream,
-``depth`` whole steps enqueued ahead (``ChannelDevice.enqueue_step``: wait for the doorbell,
-resolve and validate the descriptor on the device, the op's kernels, finish), and one host
-thread per channel tops the queue up as steps complete and feeds each step's results, read from
-pinned host memory, to the engine's observer (the same metrics as the RPCs).
+leased for the channel's lifetime).
+
+Each channel's device work runs in a worker process of its own (``channel_worker``), which keeps
+``depth`` whole steps enqueued ahead on its stream (``ChannelDevice.enqueue_step``: wait for the
+doorbell, resolve and validate the descriptor on the device, the op's kernels, finish) and
+reports each finished step's small results, which a reader thread here feeds to the engine's
+observer (the same metrics as the RPCs). A process of its own because those waits, pending for
+as long as the caller is idle, would otherwise stall every device-synchronising call of the
+server's context (unmapping a region, freeing memory) and every stream sharing a hardware queue
+with them.
 
 A channel closes on CloseChannel, when its caller's WatchChannel stream ends (the caller died or
 left), when it has had no watcher and no step for ``idle_timeout_s``, and when the engine closes.
 Closing marks the control block CLOSED, fails the enqueued steps (status ``CLOSED``) by raising
-the doorbell past them, waits for the stream, and releases the leases: afterwards the service
-never touches the caller's memory again.
+the doorbell past them, waits for the worker's stream and process, and releases the leases:
+afterwards nothing touches the caller's memory again. A worker that dies is replaced by nothing:
+the server marks the block CLOSED and completes an outstanding step itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +41,8 @@ from typing import Any
 import torch
 
 from ddtree.kernels.channel import (
-    DOORBELL_OFFSET,
+    DONE_OFFSET,
+    LAST_STATUS_OFFSET,
     STATE_OFFSET,
     ChannelOp,
     ChannelShape,
@@ -41,14 +53,17 @@ from ddtree.kernels.channel import (
 from ddtree.service.calls import validate_model_label
 from ddtree.service.errors import (
     FailedPrecondition,
+    Internal,
     InvalidArgument,
+    InvalidIpcHandle,
+    InvalidReference,
     MissingField,
     NotFound,
     ResourceExhausted,
     ShuttingDown,
     ValueOutOfRange,
 )
-from ddtree.service.memory import Leases, RegionTable
+from ddtree.service.memory import IPC_HANDLE_BYTES, Leases, RegionTable
 
 __all__ = [
     "ChannelLimits",
@@ -63,11 +78,11 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-_BUSY_POLL_S = 20e-6
-_IDLE_POLL_S = 1e-3
-_BUSY_WINDOW_S = 0.05
-"""After a step completed, poll the result slots every ``_BUSY_POLL_S`` for this long."""
-_DRAIN_TIMEOUT_S = 5.0
+WORKER_COMMAND = (sys.executable, "-m", "ddtree.service.channel_worker")
+"""How a channel's worker process is started (tests substitute a stand-in)."""
+_EXIT_TIMEOUT_S = 15.0
+"""How long a worker may take to exit after its last line (context teardown)."""
+_IDLE_CHECK_S = 1.0
 
 
 class ChannelNotFound(NotFound):
@@ -101,24 +116,38 @@ class ChannelLimits:
         step a caller may have in flight is enqueued.
     idle_timeout_s : float
         A channel with no WatchChannel stream and no step for this long closes.
+    start_timeout_s : float
+        How long a channel's worker process may take to start (imports, CUDA context, kernels
+        from the disk cache).
     """
 
-    max_channels: int = 64
+    max_channels: int = 16
     depth: int = 8
     idle_timeout_s: float = 600.0
+    start_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
 class ChannelRegion:
-    """A window of a registered region: ``(token, offset_bytes, byte_size)``."""
+    """A window of a registered region: ``(token, offset_bytes, byte_size)``, with the IPC
+    handle of the region's allocation (the channel's worker process maps it itself)."""
 
     region_token: str
     offset_bytes: int
     byte_size: int
+    ipc_handle: bytes = b""
+
+
+def _window(region: ChannelRegion) -> dict[str, Any]:
+    return {
+        "ipc_handle": region.ipc_handle.hex(),
+        "offset_bytes": region.offset_bytes,
+        "byte_size": region.byte_size,
+    }
 
 
 class _Channel:
-    """One open channel: leases, device state, stream and step thread."""
+    """One open channel: its leases and the worker process that runs its steps."""
 
     def __init__(
         self,
@@ -128,7 +157,7 @@ class _Channel:
         shape: ChannelShape,
         model: str,
         leases: Leases,
-        device_state: Any,
+        control: torch.Tensor,
         limits: ChannelLimits,
         observer: Any,
         on_closed: Callable[[_Channel], None],
@@ -139,7 +168,7 @@ class _Channel:
         self.shape = shape
         self.model = model
         self.leases = leases
-        self.dev = device_state
+        self.control = control  # the caller's control block as the server maps it
         self.limits = limits
         self.observer = observer
         self.on_closed = on_closed
@@ -147,131 +176,148 @@ class _Channel:
         self.watchers = 0
         self.steps = 0
         self.failed_steps = 0
-        self._close_reason: str | None = None
-        self._wake = threading.Event()
+        self.last_progress_s = time.monotonic()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run, name=f"ddtree-channel-{channel_id}", daemon=True
-        )
+        self._close_reason: str | None = None
+        self._process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, spec: dict[str, Any], timeout_s: float) -> None:
+        """Start the worker and wait until its first steps are enqueued.
+
+        Raises
+        ------
+        InvalidReference
+            The worker refused a window (the IPC handle names another allocation).
+        Internal
+            The worker failed or did not answer within ``timeout_s``.
+        """
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._process = subprocess.Popen(
+            list(WORKER_COMMAND),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(json.dumps(spec) + "\n")
+        self._process.stdin.flush()
+        first: list[str] = []
+        reader = threading.Thread(
+            target=lambda: first.append(self._process.stdout.readline()),  # type: ignore[union-attr]
+            daemon=True,
+        )
+        reader.start()
+        reader.join(timeout_s)
+        line = first[0] if first else ""
+        message = json.loads(line) if line.strip() else {}
+        if not message.get("ready"):
+            self._kill()
+            error = message.get("error") or f"no answer within {timeout_s:g} s"
+            if "outside the allocation" in error:
+                raise InvalidReference(error.split(": ", 1)[-1])
+            raise Internal(f"open_channel: the channel's worker failed: {error}")
+        self._reader = threading.Thread(
+            target=self._read, name=f"ddtree-channel-{self.channel_id}", daemon=True
+        )
+        self._reader.start()
+
+    def _kill(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    continue  # a broken pipe to a dead worker: nothing left to flush
 
     def request_close(self, reason: str) -> None:
         with self._lock:
-            if self._close_reason is None:
-                self._close_reason = reason
-        self._wake.set()
-
-    def join(self, timeout_s: float) -> None:
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
-
-    # ------------------------------------------------------------------ step thread
-
-    def _run(self) -> None:
-        dev = self.dev
-        index = dev.device.index
-        torch.cuda.set_device(index)
-        stream = torch.cuda.Stream(dev.device)
-        enqueued = 0
-        done = 0
-        last_progress = time.monotonic()
-        reason = "closed"
+            if self._close_reason is not None:
+                return
+            self._close_reason = reason
+        process = self._process
+        if process is None or process.stdin is None:
+            return
         try:
-            with torch.cuda.stream(stream):
-                while True:
-                    while enqueued < done + self.limits.depth:
-                        enqueued += 1
-                        dev.enqueue_step(enqueued)
-                    if self._close_reason is not None:
-                        reason = self._close_reason
-                        break
-                    slot = dev.result_slot(done + 1)
-                    if int(slot[:2].view(torch.int64)[0]) == done + 1:
-                        done += 1
-                        self._observe(slot)
-                        last_progress = time.monotonic()
-                        continue
-                    now = time.monotonic()
-                    if self.watchers == 0 and now - last_progress > self.limits.idle_timeout_s:
-                        reason = "expired"
-                        break
-                    busy = now - last_progress < _BUSY_WINDOW_S
-                    self._wake.wait(_BUSY_POLL_S if busy else _IDLE_POLL_S)
-                self._drain(stream, enqueued)
-        except Exception as err:  # a CUDA failure: log, close, never raise on a thread
-            _log.exception("event=channel_failed channel_id=%s error=%s", self.channel_id, err)
-            reason = f"failed: {err}"
-        finally:
-            self._finish(reason)
+            process.stdin.write(f"close {reason}\n")
+            process.stdin.flush()
+        except (OSError, ValueError):
+            pass  # the worker is gone already; the reader finishes the close
 
-    def _observe(self, slot: torch.Tensor) -> None:
-        words = slot[2:]
-        status, batch, op = int(words[0]), int(words[1]), int(words[2])
+    def _read(self) -> None:
+        process = self._process
+        assert process is not None and process.stdout is not None
+        reason = "failed: the worker exited"
+        for line in process.stdout:
+            message = json.loads(line)
+            if "s" in message:
+                self.last_progress_s = time.monotonic()
+                self._observe(message)
+            elif "closed" in message:
+                reason = str(message["closed"])
+            elif "error" in message:
+                reason = f"failed: {message['error']}"
+        try:
+            process.wait(timeout=_EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        self._close_pipes()
+        self._finish(reason)
+
+    def _observe(self, message: dict[str, Any]) -> None:
+        status, batch, op, values = message["st"], message["b"], message["op"], message["v"]
         self.steps += 1
         if status != StepStatus.OK:
             self.failed_steps += 1
-            _log.info(
-                "event=channel_step_failed channel_id=%s status=%s",
-                self.channel_id,
-                StepStatus(status).name if status in StepStatus._value2member_map_ else status,
-            )
+            name = StepStatus(status).name if status in StepStatus._value2member_map_ else status
+            _log.info("event=channel_step_failed channel_id=%s status=%s", self.channel_id, name)
             return
-        base = 4
+        words = torch.tensor(values, dtype=torch.int32)  # [slot_ints - 4]
         b = self.shape.max_batch_size
         if op == ChannelOp.BUILD_TREE:
-            self.observer.observe_trees(words[base : base + batch].clone(), model=self.model)
+            self.observer.observe_trees(words[:batch], model=self.model)
             return
         path_len = self.shape.draft_len + 1
-        length = words[base : base + batch].clone()
-        num_nodes = words[base + b : base + b + batch].clone()
-        start = base + 2 * b
-        nodes = words[start : start + batch * path_len].clone().view(batch, path_len)
-        self.observer.observe_acceptance(nodes, length, num_nodes, model=self.model)
-
-    def _drain(self, stream: torch.cuda.Stream, enqueued: int) -> None:
-        """Fail every enqueued step and wait for the stream; bounded by ``_DRAIN_TIMEOUT_S``."""
-        from ddtree.kernels.channel_cuda import write_values
-
-        dev = self.dev
-        index = dev.device.index or 0
-        ctrl = dev.control.data_ptr()
-        # The resolve kernels of the enqueued steps read the cancel word: CLOSED, no op runs.
-        write_values(
-            index,
-            [
-                (dev.cancel.data_ptr(), 1, 32),
-                (ctrl + STATE_OFFSET, int(ChannelState.CLOSED), 32),
-            ],
+        nodes = words[2 * b : 2 * b + batch * path_len].view(batch, path_len)
+        self.observer.observe_acceptance(
+            nodes, words[:batch], words[b : b + batch], model=self.model
         )
-        deadline = time.monotonic() + _DRAIN_TIMEOUT_S
-        while not stream.query():
-            # Raise the doorbell past every enqueued step (again, in case a caller's post that
-            # read OPEN before the state changed wrote a smaller value meanwhile).
-            write_values(index, [(ctrl + DOORBELL_OFFSET, enqueued & 0xFFFFFFFF, 32)])
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the channel's stream did not drain within {_DRAIN_TIMEOUT_S} s"
-                )
-            time.sleep(1e-3)
 
     def _finish(self, reason: str) -> None:
-        if reason.startswith("failed"):
-            # The stream may still hold work on the caller's memory: keep the mappings (leak)
-            # rather than unmap under it. A sticky error makes the server exit anyway. Best
-            # effort, mark the control block CLOSED so that the caller's next post returns.
+        if reason.startswith("failed") or "drain timed out" in reason:
+            # The worker died (or could not drain): it can no longer complete the caller's
+            # steps. Mark the block CLOSED and complete an outstanding step from here, so that
+            # the caller's stream is released (the worker's context is gone: nothing of it
+            # writes the block any more).
             from ddtree.kernels.channel_cuda import write_values
 
+            ctrl = self.control.data_ptr()
             try:
-                ctrl = self.dev.control.data_ptr()
-                index = self.dev.device.index or 0
-                write_values(index, [(ctrl + STATE_OFFSET, int(ChannelState.CLOSED), 32)])
-            except Exception as err:
+                write_values(
+                    self.control.device.index or 0,
+                    [
+                        (ctrl + STATE_OFFSET, int(ChannelState.CLOSED), 32),
+                        (ctrl + LAST_STATUS_OFFSET, int(StepStatus.CLOSED), 32),
+                        (ctrl + DONE_OFFSET, 1, 32),
+                    ],
+                )
+            except Exception as err:  # a dead context: the server is failing anyway
                 _log.warning("event=channel_mark_closed_failed error=%s", err)
-            _log.error("event=channel_leaked channel_id=%s", self.channel_id)
-        else:
-            self.leases.release()
+        self.leases.release()
         _log.info(
             "event=channel_closed channel_id=%s reason=%s steps=%d failed_steps=%d",
             self.channel_id,
@@ -311,6 +357,7 @@ class ChannelTable:
         self._pending = 0
         self._is_closed = False
         self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-channel-open")
+        self._monitor: threading.Thread | None = None
 
     def __len__(self) -> int:
         with self._lock:
@@ -369,8 +416,6 @@ class ChannelTable:
         MemoryTokenNotFound, InvalidReference, DeviceMismatch
             From resolving the regions.
         """
-        from ddtree.kernels.channel_cuda import ChannelDevice
-
         if not 1 <= ring_size < self.limits.depth:
             raise InvalidArgument(
                 f"open_channel.ring_size: expected 1..{self.limits.depth - 1} (the server keeps "
@@ -408,29 +453,20 @@ class ChannelTable:
                 torch.uint8,
                 (control_bytes,),
             )
-            table: list[tuple[int, int]] = []
             for i, region in enumerate(regions):
                 if region.byte_size < 1:
                     raise InvalidArgument(
                         f"open_channel.regions[{i}].byte_size: expected >= 1",
                         field=f"open_channel.regions[{i}].byte_size",
                     )
-                view = leases.resolve(
+                # Capability, owner and bounds checks (and the lease that keeps the region).
+                leases.resolve(
                     f"open_channel.regions[{i}]",
                     region.region_token,
                     region.offset_bytes,
                     torch.uint8,
                     (region.byte_size,),
                 )
-                table.append((int(view.data_ptr()), region.byte_size))
-            device = self._memory.device
-            with torch.cuda.device(device):
-                device_state = ChannelDevice(
-                    shape, ctrl, ring_size, table, self.limits.depth, device
-                )
-                # Its tensors were filled on this thread's stream; the step thread uses another.
-                # (Never a device-wide sync: other channels' streams wait on their doorbells.)
-                torch.cuda.current_stream(device).synchronize()
         except BaseException:
             leases.release()
             with self._lock:
@@ -444,16 +480,35 @@ class ChannelTable:
             shape,
             model,
             leases,
-            device_state,
+            ctrl,
             self.limits,
             self._observer,
             self._forget,
         )
+        spec = {
+            "device_index": self._memory.device.index or 0,
+            "shape": {**dataclasses.asdict(shape), "op": int(shape.op)},
+            "ring_size": ring_size,
+            "depth": self.limits.depth,
+            "control": _window(control),
+            "regions": [_window(r) for r in regions],
+        }
+        try:
+            channel.start(spec, self.limits.start_timeout_s)
+        except BaseException:
+            leases.release()
+            with self._lock:
+                self._pending -= 1
+            raise
         with self._lock:
             self._pending -= 1
             self._channels[token] = channel
             is_closed = self._is_closed
-        channel.start()
+            if self._monitor is None:
+                self._monitor = threading.Thread(
+                    target=self._expire, name="ddtree-channel-expiry", daemon=True
+                )
+                self._monitor.start()
         if is_closed:
             channel.request_close("shutdown")
         _log.info(
@@ -462,9 +517,22 @@ class ChannelTable:
             shape.op.name,
             shape.max_batch_size,
             ring_size,
-            len(table),
+            len(regions),
         )
         return token
+
+    def _expire(self) -> None:
+        """Close channels that nobody watches and that served no step for ``idle_timeout_s``
+        (callers that never open a WatchChannel stream and died)."""
+        while not self._is_closed:
+            time.sleep(_IDLE_CHECK_S)
+            now = time.monotonic()
+            with self._lock:
+                channels = list(self._channels.values())
+            for channel in channels:
+                idle_s = now - channel.last_progress_s
+                if channel.watchers == 0 and idle_s > self.limits.idle_timeout_s:
+                    channel.request_close("expired")
 
     def _forget(self, channel: _Channel) -> None:
         with self._lock:
@@ -480,7 +548,7 @@ class ChannelTable:
             )
         return channel
 
-    def close(self, token: str, owner: str = "", *, timeout_s: float = 10.0) -> int:
+    def close(self, token: str, owner: str = "", *, timeout_s: float = 30.0) -> int:
         """Close a channel and wait until its stream drained; returns the steps it served.
 
         Raises
@@ -516,7 +584,7 @@ class ChannelTable:
         if last:
             channel.request_close("caller_gone")
 
-    def close_all(self, timeout_s: float = 10.0) -> None:
+    def close_all(self, timeout_s: float = 30.0) -> None:
         """Close every channel (engine shutdown) and refuse new ones. Idempotent."""
         with self._lock:
             self._is_closed = True
@@ -552,7 +620,17 @@ class OpenChannelArgs:
 def _region(message: Any, field: str) -> ChannelRegion:
     if not message.region_token:
         raise MissingField(f"{field}.region_token: required", field=f"{field}.region_token")
-    return ChannelRegion(message.region_token, int(message.offset_bytes), int(message.byte_size))
+    if len(message.ipc_handle) != IPC_HANDLE_BYTES:
+        raise InvalidIpcHandle(
+            f"{field}.ipc_handle: expected {IPC_HANDLE_BYTES} bytes, got {len(message.ipc_handle)}",
+            field=f"{field}.ipc_handle",
+        )
+    return ChannelRegion(
+        message.region_token,
+        int(message.offset_bytes),
+        int(message.byte_size),
+        bytes(message.ipc_handle),
+    )
 
 
 def open_channel_args(request: Any, max_batch_size: int) -> OpenChannelArgs:

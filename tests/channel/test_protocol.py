@@ -11,11 +11,14 @@ from __future__ import annotations
 import math
 import re
 import struct
+import sys
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from google.rpc import error_details_pb2, status_pb2
+from helpers.ipc import HostMapper
 from helpers.serving import ServerThread
 
 from ddtree.kernels import channel as ch
@@ -28,9 +31,24 @@ from ddtree.kernels.channel import (
     StepDescriptor,
     StepStatus,
 )
-from ddtree.service.channel import open_channel_args
+from ddtree.service import channel as channel_module
+from ddtree.service.channel import (
+    ChannelLimits,
+    ChannelNotFound,
+    ChannelRegion,
+    ChannelTable,
+    open_channel_args,
+)
 from ddtree.service.config import ServiceConfig
-from ddtree.service.errors import MissingField, ValueOutOfRange
+from ddtree.service.errors import (
+    Internal,
+    InvalidArgument,
+    InvalidIpcHandle,
+    InvalidReference,
+    MissingField,
+    ValueOutOfRange,
+)
+from ddtree.service.memory import RegionTable
 from ddtree.v1 import tensor_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
@@ -275,9 +293,15 @@ def test_shape_refusals(kwargs: dict[str, int], match: str) -> None:
 def _open_request(**changes: object) -> pb.OpenChannelRequest:
     request = pb.OpenChannelRequest(
         op=pb.CHANNEL_OP_BUILD_TREE,
-        control=pb.ChannelRegion(region_token="t", offset_bytes=0, byte_size=1024),
+        control=pb.ChannelRegion(
+            region_token="t", offset_bytes=0, byte_size=1024, ipc_handle=bytes(64)
+        ),
         ring_size=2,
-        regions=[pb.ChannelRegion(region_token="t", offset_bytes=0, byte_size=1 << 20)],
+        regions=[
+            pb.ChannelRegion(
+                region_token="t", offset_bytes=0, byte_size=1 << 20, ipc_handle=bytes(64)
+            )
+        ],
         max_batch_size=4,
         draft_len=5,
         max_budget=16,
@@ -317,6 +341,14 @@ def test_open_request_refusals(changes: dict[str, object], error: type, field: s
     assert caught.value.field == field
 
 
+def test_open_request_needs_ipc_handles() -> None:
+    request = _open_request()
+    request.regions[0].ipc_handle = bytes(63)
+    with pytest.raises(InvalidIpcHandle) as caught:
+        open_channel_args(request, max_batch_size=64)
+    assert caught.value.field == "open_channel.regions[0].ipc_handle"
+
+
 def _reason(err: grpc.RpcError) -> str:
     for key, value in err.trailing_metadata() or ():  # type: ignore[attr-defined]
         if key == "grpc-status-details-bin":
@@ -339,3 +371,95 @@ def test_cpu_server_refuses_channels(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as watched:
             list(stub.WatchChannel(pb.WatchChannelRequest(channel_token="x"), timeout=10))
         assert watched.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+
+
+class _Observer:
+    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
+        raise AssertionError("no step runs in this test")
+
+    def observe_acceptance(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("no step runs in this test")
+
+
+def test_open_leases_regions_and_releases_them_when_the_worker_fails() -> None:
+    """ChannelTable.open checks every window against its region (capability, bounds), starts
+    the channel's worker process and, when that worker fails (here: no CUDA device), answers
+    INTERNAL with the worker's error and releases the leases (the region can be unregistered
+    and its mapping closes at once)."""
+    mapper = HostMapper()
+    table = RegionTable(device=torch.device("cpu"), device_uuid="GPU-x", mapper=mapper)
+    handle = mapper.export(torch.zeros(1 << 16, dtype=torch.uint8))
+    token, _ = table.register(handle, "GPU-x", 1 << 16, "c")
+    channels = ChannelTable(table, ChannelLimits(start_timeout_s=60.0), _Observer())
+    try:
+        control = ChannelRegion(token, 0, ch.control_block_bytes(2), bytes(64))
+        outside = ChannelRegion(token, 1 << 15, 1 << 16, bytes(64))
+        with pytest.raises(InvalidReference):
+            channels.open(BUILD, control, 2, [outside])
+        with pytest.raises(InvalidArgument, match="ring_size"):
+            channels.open(BUILD, control, 8, [])
+        with pytest.raises(Internal, match="worker failed"):
+            channels.open(BUILD, control, 2, [ChannelRegion(token, 0, 1 << 16, bytes(64))])
+        assert len(channels) == 0
+        table.unregister(token)
+        assert mapper.mapped == 0  # no lease was left behind
+    finally:
+        channels.close_all()
+        table.close()
+
+
+_FAKE_WORKER = """
+import json, sys
+spec = json.loads(sys.stdin.readline())
+assert spec["shape"]["op"] == 1 and spec["depth"] == 8, spec
+assert len(bytes.fromhex(spec["regions"][0]["ipc_handle"])) == 64
+print(json.dumps({"ready": True}), flush=True)
+print(json.dumps({"s": 1, "st": 0, "b": 2, "op": 1, "v": [5, 7, 0, 0]}), flush=True)
+print(json.dumps({"s": 2, "st": 8, "b": 0, "op": 1, "v": [0, 0, 0, 0]}), flush=True)
+line = sys.stdin.readline()
+print(json.dumps({"closed": line.split(" ", 1)[1].strip() if line else "server_gone"}), flush=True)
+"""
+
+
+class _Trees:
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
+        assert model == "m"
+        self.seen.append(num_nodes.tolist())
+
+    def observe_acceptance(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("a build channel walks nothing")
+
+
+@pytest.mark.parametrize("how", ["close_channel", "caller_gone"])
+def test_channel_process_plumbing(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """With a stand-in worker: the spec reaches it, finished steps feed the observer (failed
+    ones do not), CloseChannel or the last watcher leaving closes it with that reason, and the
+    leases are released."""
+    monkeypatch.setattr(channel_module, "WORKER_COMMAND", (sys.executable, "-c", _FAKE_WORKER))
+    mapper = HostMapper()
+    table = RegionTable(device=torch.device("cpu"), device_uuid="GPU-x", mapper=mapper)
+    handle = mapper.export(torch.zeros(4096, dtype=torch.uint8))
+    token, _ = table.register(handle, "GPU-x", 4096, "c", owner="o")
+    observer = _Trees()
+    channels = ChannelTable(table, ChannelLimits(), observer)
+    try:
+        window = ChannelRegion(token, 0, 4096, bytes(range(64)))
+        opened = channels.open(BUILD, window, 2, [window], owner="o", model="m")
+        with pytest.raises(ChannelNotFound):
+            channels.close(opened, owner="someone else")
+        closed = channels.watch(opened, owner="o")
+        if how == "close_channel":
+            assert channels.close(opened, owner="o") == 2
+        else:
+            channels.unwatch(opened)
+        assert closed.result(30) == how
+        assert observer.seen == [[5, 7]]
+        assert len(channels) == 0
+        table.unregister(token, "o")
+        assert mapper.mapped == 0
+    finally:
+        channels.close_all()
+        table.close()

@@ -232,14 +232,16 @@ class VerifyAttentionResponse(_message.Message):
     def __init__(self, out: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., lse: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ChannelRegion(_message.Message):
-    __slots__ = ("region_token", "offset_bytes", "byte_size")
+    __slots__ = ("region_token", "offset_bytes", "byte_size", "ipc_handle")
     REGION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     region_token: str
     offset_bytes: int
     byte_size: int
-    def __init__(self, region_token: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+    ipc_handle: bytes
+    def __init__(self, region_token: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., byte_size: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class ChannelKvShape(_message.Message):
     __slots__ = ("num_pages", "page_size", "head_dim", "dtype", "max_pages")
