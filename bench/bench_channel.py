@@ -164,6 +164,7 @@ def _bench_batch(address: str, batch: int, steps: int) -> dict[str, Any]:
         return kernels.accept(tree, targets, error_flags=flags)
 
     out["in_process"] = _measure(in_process, steps)
+    print(f"batch {batch}: in_process {out['in_process']}", flush=True)
     expected = in_process()
 
     build = Channel(
@@ -198,6 +199,7 @@ def _bench_batch(address: str, batch: int, steps: int) -> dict[str, Any]:
         )
         out["channel_matches_in_process"] = same
         out["channel"] = _measure(channel, steps)
+        print(f"batch {batch}: channel {out['channel']}", flush=True)
         out["channel"]["build_status"] = build.last_status().status.name
         out["channel"]["accept_status"] = accept.last_status().status.name
         out["channel"]["ok"] = (

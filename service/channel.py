@@ -138,6 +138,19 @@ class ChannelRegion:
     ipc_handle: bytes = b""
 
 
+def _parse(line: str) -> dict[str, Any]:
+    """One line of a worker's stdout; anything but a JSON object is logged and ignored."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        message = None
+    if not isinstance(message, dict):
+        if line.strip():
+            _log.warning("event=channel_worker_output line=%r", line[:200])
+        return {}
+    return message
+
+
 def _window(region: ChannelRegion) -> dict[str, Any]:
     return {
         "ipc_handle": region.ipc_handle.hex(),
@@ -192,7 +205,9 @@ class _Channel:
         Internal
             The worker failed or did not answer within ``timeout_s``.
         """
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Eager module loading: every kernel is in the worker's context before its first wait is
+        # enqueued, so no lazy load can ever queue behind a doorbell wait.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_MODULE_LOADING": "EAGER"}
         self._process = subprocess.Popen(
             list(WORKER_COMMAND),
             stdin=subprocess.PIPE,
@@ -210,8 +225,7 @@ class _Channel:
         )
         reader.start()
         reader.join(timeout_s)
-        line = first[0] if first else ""
-        message = json.loads(line) if line.strip() else {}
+        message = _parse(first[0] if first else "")
         if not message.get("ready"):
             self._kill()
             error = message.get("error") or f"no answer within {timeout_s:g} s"
@@ -262,7 +276,7 @@ class _Channel:
         assert process is not None and process.stdout is not None
         reason = "failed: the worker exited"
         for line in process.stdout:
-            message = json.loads(line)
+            message = _parse(line)
             if "s" in message:
                 self.last_progress_s = time.monotonic()
                 self._observe(message)

@@ -251,7 +251,7 @@ def test_steps_match_the_rpcs(server: ServerProcess, client: Client) -> None:
             model="chan",
         ) as accept,
     ):
-        for step in range(500):
+        for step in range(500):  # 1,000 steps: 500 builds and 500 accepts
             batch = MAX_BATCH if step % 3 == 0 else rng.randint(1, MAX_BATCH)
             logits, roots = bufs.fill_draft(batch)
             temperature = 0.8 if step % 2 else 1.0
@@ -535,10 +535,26 @@ def _release_or_fail(channel: Channel, started: float) -> float:
     return time.monotonic() - started
 
 
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
 def test_service_killed_releases_the_callers_stream(tmp_path: Path, cache_dir: Path) -> None:
-    """With the service stopped, the steps it enqueued ahead still run and the next one blocks
-    the caller's stream; killing the service releases it within RELEASE_BOUND_S with
-    SERVICE_LOST, and later steps complete at once with SERVICE_LOST."""
+    """With the service (server and channel worker) stopped, the steps enqueued ahead still run
+    and the next one blocks the caller's stream; killing the service releases it within
+    RELEASE_BOUND_S with SERVICE_LOST, and later steps complete at once with SERVICE_LOST."""
     process = ServerProcess(tmp_path / "killed.sock")
     try:
         process.wait_serving()
@@ -549,13 +565,19 @@ def test_service_killed_releases_the_callers_stream(tmp_path: Path, cache_dir: P
             build.build_tree(logits, roots, BUDGET)
         torch.cuda.synchronize()
         time.sleep(0.3)  # the step thread tops its queue up
-        process.process.send_signal(signal.SIGSTOP)
+        # The server and the channel's worker process stopped: the steps the worker enqueued
+        # ahead still run on the GPU, the next one blocks the caller's stream.
+        pids = [process.process.pid, *_children(process.process.pid)]
+        assert len(pids) == 2, pids
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
         for _ in range(build.pipeline_depth + 2):
             build.build_tree(logits, roots, BUDGET)
         time.sleep(0.5)
         assert not torch.cuda.current_stream().query(), "no step was left blocked"
         started = time.monotonic()
-        process.process.kill()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
         released_s = _release_or_fail(build, started)
         assert released_s < RELEASE_BOUND_S
         assert build.last_status().status == StepStatus.SERVICE_LOST
