@@ -296,19 +296,32 @@ def _names(op: int) -> Sequence[str]:
     return BUILD_REFS if op == ChannelOp.BUILD_TREE else ACCEPT_REFS
 
 
+def _layout(op: int, names: set[str]) -> Sequence[str]:
+    """The slot order to pack ``names`` in: the op's own, or (for a descriptor whose op is not
+    the one its slots belong to, which the service refuses with BAD_OP) the one layout that
+    has every given slot."""
+    if names <= set(_names(op)):
+        return _names(op)
+    for layout in (BUILD_REFS, ACCEPT_REFS):
+        if names <= set(layout):
+            return layout
+    raise ValueError(f"descriptor.refs: unknown slots {sorted(names - set(_names(op)))}")
+
+
 def pack_descriptor(desc: StepDescriptor) -> bytes:
     """The 256 descriptor bytes of ``desc`` (little-endian; layout in docs/channel.md).
+
+    Slots are laid out in the op's order; a descriptor whose op is not 1 or 2, or does not
+    match its slots' names (a deliberately wrong descriptor), uses the order of the op whose
+    slots it names.
 
     Raises
     ------
     ValueError
-        A reference names a slot the op does not have, or a field does not fit its width.
+        A reference names a slot of neither op, or a field does not fit its width.
     """
     refs = dict(desc.refs or {})
-    names = _names(desc.op)
-    unknown = set(refs) - set(names)
-    if unknown:
-        raise ValueError(f"descriptor.refs: unknown slots {sorted(unknown)} for op {desc.op}")
+    names = _layout(desc.op, set(refs))
     try:
         out = bytearray(
             _HEADER.pack(

@@ -141,9 +141,25 @@ def test_descriptor_bytes_at_documented_offsets() -> None:
     assert back.refs["root_tokens"] == Ref(0, 0)
 
 
+def test_wrong_ops_keep_their_slots_layout() -> None:
+    """A descriptor with a wrong op (which the service must refuse) still packs its slots where
+    the op they belong to has them: the GPU test posts such descriptors."""
+    refs = {"root_tokens": Ref(3, 64), "parents": Ref(1, 128)}
+    build = ch.pack_descriptor(StepDescriptor(1, 1, refs=refs))
+    for op in (ChannelOp.ACCEPT, 0, 7, 2**32 - 1):
+        data = ch.pack_descriptor(StepDescriptor(op, 1, refs=refs))
+        assert struct.unpack_from("<I", data, 0)[0] == op
+        assert data[4:] == build[4:]  # slot 1 root_tokens, slot 4 parents: the build layout
+    accept = {"target": Ref(2, 8)}
+    data = ch.pack_descriptor(StepDescriptor(ChannelOp.BUILD_TREE, 1, refs=accept))
+    assert struct.unpack_from("<IIQ", data, 32 + 16 * 4) == (2, 0, 8)  # accept's slot 4
+
+
 def test_descriptor_refuses_unknown_slots_and_wide_fields() -> None:
     with pytest.raises(ValueError, match="unknown slots"):
-        ch.pack_descriptor(StepDescriptor(1, 1, refs={"target": Ref(0, 0)}))
+        ch.pack_descriptor(StepDescriptor(1, 1, refs={"nonsense": Ref(0, 0)}))
+    with pytest.raises(ValueError, match="unknown slots"):
+        ch.pack_descriptor(StepDescriptor(1, 1, refs={"target": Ref(0, 0), "mask": Ref(0, 0)}))
     with pytest.raises(ValueError, match="does not fit"):
         ch.pack_descriptor(StepDescriptor(1, 1 << 32))
 
