@@ -62,6 +62,9 @@ def test_service_is_fully_qualified_and_has_every_rpc() -> None:
             "BuildTree",
             "AcceptTree",
             "VerifyAttention",
+            "OpenChannel",
+            "CloseChannel",
+            "WatchChannel",
         ]
     )
     for method in service.methods:
