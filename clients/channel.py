@@ -246,7 +246,11 @@ class Channel:
                 self._register(t)
             control_ref = self._ref(self.control, "control")
             request = pb.OpenChannelRequest(
-                op=int(self.op),
+                op=(
+                    pb.CHANNEL_OP_BUILD_TREE
+                    if self.op == ChannelOp.BUILD_TREE
+                    else pb.CHANNEL_OP_ACCEPT
+                ),
                 control=pb.ChannelRegion(
                     region_token=self._allocations[control_ref.region][1],
                     offset_bytes=control_ref.offset_bytes,
@@ -552,7 +556,7 @@ class Channel:
                     flags=DescriptorFlag.ERROR_FLAGS
                     | (DescriptorFlag.CLEAR_ERROR_FLAGS if error_flags is None else 0)
                     | (DescriptorFlag.BUDGETS if per_request else 0),
-                    budget=0 if per_request else int(budget),  # type: ignore[arg-type]
+                    budget=0 if isinstance(budget, torch.Tensor) else int(budget),
                     temperature=temperature,
                     refs=refs,
                 )
