@@ -312,7 +312,10 @@ class _Channel:
         )
 
     def _finish(self, reason: str) -> None:
-        if reason.startswith("failed") or "drain timed out" in reason:
+        # A caller that is gone (or presumed gone) needs no release, and its memory is best not
+        # written from the server's own context: a fault there would take the server down.
+        caller_gone = self._close_reason in ("caller_gone", "expired")
+        if (reason.startswith("failed") or "drain timed out" in reason) and not caller_gone:
             # The worker died (or could not drain): it can no longer complete the caller's
             # steps. Mark the block CLOSED and complete an outstanding step from here, so that
             # the caller's stream is released (the worker's context is gone: nothing of it
