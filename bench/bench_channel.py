@@ -8,7 +8,11 @@ target tokens) one step is build_tree followed by accept, through:
   server launches them (with ``error_flags``: no host synchronisation inside);
 * ``channel``: two channels (``ddtree.clients.channel.Channel``, one per op, each opened for the
   step's batch as its max), both steps posted on the current stream;
-* ``grpc``: ``Client(tensor_transport="ipc")`` BuildTree + AcceptTree by CUDA IPC reference.
+* ``grpc``: ``Client(tensor_transport="ipc")`` BuildTree + AcceptTree by CUDA IPC reference;
+
+and, to tell the protocol's cost from the op's, ``build_only`` (build_tree alone, in process and
+through the channel) and ``round_trip_refused_step`` (a descriptor the service refuses, BAD_OP:
+post, resolve, finish, wait; no op kernels).
 
 Timed three ways where they apply, in microseconds per step: ``host`` (one step then a stream
 synchronisation, wall clock: what a caller that waits sees; p50 and p99 of ``--steps``),
@@ -41,7 +45,7 @@ import torch
 from ddtree import kernels
 from ddtree.clients import Client
 from ddtree.clients.channel import Channel
-from ddtree.kernels.channel import StepStatus
+from ddtree.kernels.channel import StepDescriptor, StepStatus, pack_descriptor
 
 VOCAB = 163840
 DRAFT_LEN = 16
@@ -217,6 +221,10 @@ def _bench_batch(address: str, batch: int, steps: int) -> dict[str, Any]:
             "in_process": _measure(build_in_process, steps),
             "channel": _measure(build_only, steps),
         }
+        # The protocol alone: a step the service refuses (BAD_OP) runs only the resolve and
+        # finish kernels, so this is the round trip with no op work.
+        refused = pack_descriptor(StepDescriptor(op=0, batch_size=1))
+        out["round_trip_refused_step"] = _measure(lambda: build._post_bytes(refused), steps)
     finally:
         accept.close()
         build.close()
