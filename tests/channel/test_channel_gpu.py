@@ -230,6 +230,19 @@ def _open_build(address: str, bufs: Buffers, **kwargs: object) -> Channel:
     )
 
 
+def _open_accept(address: str, bufs: Buffers, vocab_size: int = 0, **kwargs: object) -> Channel:
+    return Channel(
+        address,
+        op="accept",
+        max_batch_size=MAX_BATCH,
+        draft_len=DRAFT_LEN,
+        max_budget=BUDGET,
+        vocab_size=vocab_size,
+        tensors=bufs.all(),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
 def test_steps_match_the_rpcs(server: ServerProcess, client: Client) -> None:
     """1,000 build, accept (target tokens) and KV-commit steps through two channels equal the
     RPCs on the same inputs; batches vary from 1 to the channels' max."""
@@ -238,17 +251,8 @@ def test_steps_match_the_rpcs(server: ServerProcess, client: Client) -> None:
     steps = 0
     with (
         _open_build(server.address, bufs, model="chan") as build,
-        Channel(
-            server.address,
-            op="accept",
-            max_batch_size=MAX_BATCH,
-            draft_len=DRAFT_LEN,
-            max_budget=BUDGET,
-            vocab_size=0,
-            kv_cache=bufs.cache,
-            max_pages=MAX_PAGES,
-            tensors=bufs.all(),
-            model="chan",
+        _open_accept(
+            server.address, bufs, kv_cache=bufs.cache, max_pages=MAX_PAGES, model="chan"
         ) as accept,
     ):
         for step in range(500):  # 1,000 steps: 500 builds and 500 accepts
@@ -320,16 +324,7 @@ def test_channel_steps_feed_the_metrics(
     bufs = Buffers(9)
     with (
         _open_build(server.address, bufs, model="mchan") as build,
-        Channel(
-            server.address,
-            op="accept",
-            max_batch_size=MAX_BATCH,
-            draft_len=DRAFT_LEN,
-            max_budget=BUDGET,
-            vocab_size=0,
-            tensors=bufs.all(),
-            model="mchan",
-        ) as accept,
+        _open_accept(server.address, bufs, model="mchan") as accept,
     ):
         for step in range(12):
             batch = 1 + step % MAX_BATCH
@@ -365,15 +360,7 @@ def test_accept_target_logits_match_the_rpc(
     """Walks over target logits; the channel takes the sampler's raw seed, derived here as the
     server derives it from the RPC's ``seed``."""
     bufs = Buffers(2)
-    with Channel(
-        server.address,
-        op="accept",
-        max_batch_size=MAX_BATCH,
-        draft_len=DRAFT_LEN,
-        max_budget=BUDGET,
-        vocab_size=VOCAB,
-        tensors=bufs.all(),
-    ) as accept:
+    with _open_accept(server.address, bufs, vocab_size=VOCAB) as accept:
         for step in range(24):
             batch = 1 + step % MAX_BATCH
             logits, roots = bufs.fill_draft(batch)
