@@ -32,13 +32,10 @@ from ddtree.kernels.channel import (
     ChannelShape,
 )
 from ddtree.kernels.tree_cuda import (
-    _TOPK_MIN_BLOCKS,
-    _TOPK_UNROLL,
-    _max_smem,
-    _num_sms,
     accept_launch_params,
-    build_tree_plan,
     commit_kv_launch_params,
+    device_build_tree_plan,
+    max_dynamic_smem,
 )
 from ddtree.kernels.types import mask_words
 
@@ -274,16 +271,13 @@ class ChannelDevice:
 
     def _prepare_build(self) -> None:
         shape, index = self.shape, self._index
-        plan = build_tree_plan(
+        plan = device_build_tree_plan(
             shape.max_batch_size,
             shape.draft_len,
             shape.vocab_size,
             shape.max_budget,
-            element_size=shape.logit_bytes,
-            num_sms=_num_sms(index),
-            max_smem_bytes=_max_smem(index),
-            unroll=_TOPK_UNROLL,
-            min_blocks=_TOPK_MIN_BLOCKS,
+            shape.logit_bytes,
+            index,
         )
         self.plan = plan
         # The RPC path's variant macros (tree_cuda._build_kernel), plus the channel's op.
@@ -298,7 +292,7 @@ class ChannelDevice:
         self._merge = jit.get_kernel("channel.cu", "ddtree_channel_build_merge", defines, index)
         self._select = jit.get_kernel("channel.cu", "ddtree_channel_build_select", defines, index)
         for kernel in (self._topk, self._merge, self._select):
-            jit.set_max_dynamic_smem(kernel, _max_smem(index), index)
+            jit.set_max_dynamic_smem(kernel, max_dynamic_smem(index), index)
         rows = shape.max_batch_size * shape.draft_len
 
         def align(n: int) -> int:

@@ -31,6 +31,8 @@ __all__ = [
     "build_tree_plan",
     "commit_kv",
     "commit_kv_launch_params",
+    "device_build_tree_plan",
+    "max_dynamic_smem",
 ]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -242,7 +244,7 @@ def _build_kernel(
     kernel = jit.get_kernel("build_tree.cu", entry, defines, index)
     # Allow the largest dynamic size once (static shared memory stays under 36 KiB), so any
     # smaller size of a later launch fits too.
-    jit.set_max_dynamic_smem(kernel, _max_smem(index), index)
+    jit.set_max_dynamic_smem(kernel, max_dynamic_smem(index), index)
     return kernel
 
 
@@ -255,7 +257,8 @@ def _ptr(tensor: torch.Tensor | None) -> int:
 
 
 @functools.cache
-def _max_smem(index: int) -> int:
+def max_dynamic_smem(index: int) -> int:
+    """Dynamic shared memory, bytes, that these kernels may ask for on CUDA device ``index``."""
     properties = torch.cuda.get_device_properties(index)
     optin = int(properties.shared_memory_per_block_optin)  # type: ignore[attr-defined]  # not in stubs
     return min(_MAX_SMEM_BYTES, optin - _STATIC_SMEM_RESERVE)
@@ -264,6 +267,24 @@ def _max_smem(index: int) -> int:
 @functools.cache
 def _num_sms(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def device_build_tree_plan(
+    batch_size: int, draft_len: int, vocab_size: int, max_budget: int, element_size: int, index: int
+) -> BuildTreePlan:
+    """``build_tree_plan`` for CUDA device ``index`` (its SMs and shared memory) with the
+    current top-k tuning; the RPC path and the doorbell channels both launch by it."""
+    return build_tree_plan(
+        batch_size,
+        draft_len,
+        vocab_size,
+        max_budget,
+        element_size=element_size,
+        num_sms=_num_sms(index),
+        max_smem_bytes=max_dynamic_smem(index),
+        unroll=_TOPK_UNROLL,
+        min_blocks=_TOPK_MIN_BLOCKS,
+    )
 
 
 def _align(nbytes: int) -> int:
@@ -301,16 +322,8 @@ def build_tree(
     else:
         flags = error_flags
     element = draft_logits.element_size()
-    plan = build_tree_plan(
-        batch_size,
-        draft_len,
-        vocab_size,
-        num_nodes_max - 1,
-        element_size=element,
-        num_sms=_num_sms(index),
-        max_smem_bytes=_max_smem(index),
-        unroll=_TOPK_UNROLL,
-        min_blocks=_TOPK_MIN_BLOCKS,
+    plan = device_build_tree_plan(
+        batch_size, draft_len, vocab_size, num_nodes_max - 1, element, index
     )
     code = _DTYPE_CODES[draft_logits.dtype]
     rows = batch_size * draft_len
