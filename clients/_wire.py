@@ -311,6 +311,7 @@ def decode_server_info(response: pb.GetServerInfoResponse) -> ServerInfo:
             max_batch_size=limits.max_batch_size,
             max_concurrent_calls=limits.max_concurrent_calls,
             request_deadline_cap_s=limits.request_deadline_cap_s,
+            max_channels=limits.max_channels,
         ),
         supports_memory_references=response.supports_memory_references,
     )

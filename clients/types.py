@@ -50,6 +50,8 @@ class ServerLimits:
     max_batch_size: int
     max_concurrent_calls: int
     request_deadline_cap_s: float
+    max_channels: int = 0
+    """GPU doorbell channels the server holds open at once; ``0``: it offers none."""
 
 
 @dataclass(frozen=True)

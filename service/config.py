@@ -23,6 +23,7 @@ environment variable               flag                         default
 ``DDTREE_MAX_REGISTERED_REGIONS``  ``--max-registered-regions``  1024
 ``DDTREE_MAX_REGISTERED_BYTES``    ``--max-registered-bytes``   1 TiB
 ``DDTREE_MEMORY_IDLE_TIMEOUT_S``   ``--memory-idle-timeout-s``  600
+``DDTREE_MAX_CHANNELS``            ``--max-channels``           16 (0: no doorbell channels)
 ``DDTREE_TLS_CERT``                ``--tls-cert``               off (plain-text TCP)
 ``DDTREE_TLS_KEY``                 ``--tls-key``                off
 ``DDTREE_TLS_CLIENT_CA``           ``--tls-client-ca``          off (no client certificates)
@@ -116,6 +117,9 @@ class ServiceConfig:
     memory_idle_timeout_s : float
         A registered region no call used for this long expires (releases the mapping of
         callers that exited without unregistering), ``> 0``.
+    max_channels : int
+        GPU doorbell channels open at once (OpenChannel; each runs a worker process with a CUDA
+        context of its own), ``>= 0``; ``0`` offers none.
     tls_cert : Path, optional
         PEM certificate chain of the TCP listeners; with ``tls_key`` they serve TLS only.
     tls_key : Path, optional
@@ -181,6 +185,7 @@ class ServiceConfig:
     max_registered_regions: int = 1024
     max_registered_bytes: int = 1 << 40
     memory_idle_timeout_s: float = 600.0
+    max_channels: int = 16
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -231,6 +236,8 @@ class ServiceConfig:
             raise ValueError(f"log_level: expected one of {_LOG_LEVELS}, got {self.log_level!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port: expected 0..65535, got {self.metrics_port}")
+        if self.max_channels < 0:
+            raise ValueError(f"max_channels: expected >= 0, got {self.max_channels}")
         if not self.memory_idle_timeout_s > 0:
             raise ValueError(
                 f"memory_idle_timeout_s: expected > 0, got {self.memory_idle_timeout_s}"
@@ -420,6 +427,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a registered region unused this long expires "
         f"[env DDTREE_MEMORY_IDLE_TIMEOUT_S; default {d.memory_idle_timeout_s:g}]",
     )
+    memory.add_argument(
+        "--max-channels",
+        type=int,
+        metavar="N",
+        help="GPU doorbell channels open at once, 0 for none "
+        f"[env DDTREE_MAX_CHANNELS; default {d.max_channels}]",
+    )
     access = parser.add_argument_group("access control")
     access.add_argument(
         "--tls-cert",
@@ -580,6 +594,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "max_registered_regions": int,
     "max_registered_bytes": int,
     "memory_idle_timeout_s": float,
+    "max_channels": int,
     "tls_cert": Path,
     "tls_key": Path,
     "tls_client_ca": Path,

@@ -602,6 +602,7 @@ def server_info_to_proto(
             max_batch_size=info.limits.max_batch_size,
             max_concurrent_calls=max_concurrent_calls,
             request_deadline_cap_s=request_deadline_cap_s,
+            max_channels=info.max_channels,
         ),
         supports_memory_references=info.supports_memory_references,
     )

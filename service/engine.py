@@ -197,6 +197,8 @@ class EngineInfo:
     max_budget: int = MAX_BUDGET
     max_draft_len: int = MAX_DRAFT_LEN
     supports_memory_references: bool = False
+    max_channels: int = 0
+    """GPU doorbell channels open at once; ``0``: this engine offers none."""
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -248,6 +250,10 @@ class Engine:
         Opens caller memory; by default ``CudaIpcMapper`` on a CUDA device (registered memory
         needs cuda-python) and none on the CPU. Tests pass a host-memory mapper to run the
         reference path without a GPU.
+    channel_limits : ChannelLimits, optional
+        Bounds on GPU doorbell channels (CUDA devices with registered memory only);
+        ``max_channels=0`` offers none. Default: ``ChannelLimits`` with the registered-memory
+        idle timeout.
 
     Notes
     -----
@@ -271,6 +277,7 @@ class Engine:
         observer: EngineObserver | None = None,
         memory_limits: MemoryLimits | None = None,
         ipc_mapper: IpcMapper | None = None,
+        channel_limits: ChannelLimits | None = None,
     ) -> None:
         self.device = _resolve_device(device)
         self.backend: Backend = resolve_backend(backend, self.device)  # type: ignore[arg-type]
@@ -307,9 +314,11 @@ class Engine:
         """GPU doorbell channels (``ddtree.service.channel``); ``None`` without registered
         memory on a CUDA device."""
         if self.device.type == "cuda" or ipc_mapper is not None:
-            self._open_memory(memory_limits or MemoryLimits(), ipc_mapper)
+            self._open_memory(memory_limits or MemoryLimits(), ipc_mapper, channel_limits)
 
-    def _open_memory(self, limits: MemoryLimits, mapper: IpcMapper | None) -> None:
+    def _open_memory(
+        self, limits: MemoryLimits, mapper: IpcMapper | None, channel_limits: ChannelLimits | None
+    ) -> None:
         if mapper is None:
             try:
                 mapper = CudaIpcMapper(self.device)
@@ -333,10 +342,10 @@ class Engine:
         )
         self._events = EventWaiter(mapper)
         self._info = replace(self._info, supports_memory_references=True)
-        if self.device.type == "cuda":
-            self.channels = ChannelTable(
-                self.memory, ChannelLimits(idle_timeout_s=limits.idle_timeout_s), self._observer
-            )
+        channel_limits = channel_limits or ChannelLimits(idle_timeout_s=limits.idle_timeout_s)
+        if self.device.type == "cuda" and channel_limits.max_channels > 0:
+            self.channels = ChannelTable(self.memory, channel_limits, self._observer)
+            self._info = replace(self._info, max_channels=channel_limits.max_channels)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ddtree.service.access import AccessInterceptor, bind, server_credentials
 from ddtree.service.calls import CallLimits
+from ddtree.service.channel import ChannelLimits
 from ddtree.service.config import ServiceConfig, parse_listen
 from ddtree.service.convert import TensorResolver
 from ddtree.service.engine import Engine, EngineObserver
@@ -47,6 +48,7 @@ __all__ = [
     "CallObserver",
     "ErrorMappingInterceptor",
     "Server",
+    "channel_limits",
     "create_server",
     "device_failure",
     "keepalive_options",
@@ -418,6 +420,13 @@ def device_failure(device: torch.device) -> str | None:
     return errors[-1]
 
 
+def channel_limits(config: ServiceConfig) -> ChannelLimits:
+    """The doorbell-channel bounds ``config`` sets for the engine (idle expiry as for regions)."""
+    return ChannelLimits(
+        max_channels=config.max_channels, idle_timeout_s=config.memory_idle_timeout_s
+    )
+
+
 def memory_limits(config: ServiceConfig) -> MemoryLimits:
     """The registered-memory bounds and identity binding ``config`` sets for the engine."""
     return MemoryLimits(
@@ -511,6 +520,7 @@ def create_server(
             limits=limits,
             observer=engine_observer,
             memory_limits=memory_limits(config),
+            channel_limits=channel_limits(config),
         )
     servers: list[Server] = []
     error_interceptor = ErrorMappingInterceptor(

@@ -39,7 +39,7 @@ from ddtree.service.channel import (
     ChannelTable,
     open_channel_args,
 )
-from ddtree.service.config import ServiceConfig
+from ddtree.service.config import ServiceConfig, config_from_args
 from ddtree.service.errors import (
     Internal,
     InvalidArgument,
@@ -49,6 +49,7 @@ from ddtree.service.errors import (
     ValueOutOfRange,
 )
 from ddtree.service.memory import RegionTable
+from ddtree.service.server import channel_limits
 from ddtree.v1 import tensor_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
@@ -387,6 +388,15 @@ def test_cpu_server_refuses_channels(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as watched:
             list(stub.WatchChannel(pb.WatchChannelRequest(channel_token="x"), timeout=10))
         assert watched.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+
+
+def test_max_channels_reaches_the_engine_limits() -> None:
+    """``--max-channels`` / DDTREE_MAX_CHANNELS set the channel table's bound (0: none), with
+    the registered-memory idle expiry."""
+    config = config_from_args(["--max-channels", "3", "--memory-idle-timeout-s", "42"], {})
+    assert channel_limits(config) == ChannelLimits(max_channels=3, idle_timeout_s=42.0)
+    assert config_from_args([], {"DDTREE_MAX_CHANNELS": "0"}).max_channels == 0
+    assert config_from_args([], {}).max_channels == ChannelLimits().max_channels
 
 
 class _Observer:

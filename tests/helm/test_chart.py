@@ -120,6 +120,7 @@ def test_rendered_manifests_match_the_kubernetes_schemas(helm, values, version):
         ("unixSocket.hostPath=run/ddtree", "unixSocket.hostPath"),
         ("service.internalTrafficPolicy=Nearby", "service.internalTrafficPolicy"),
         ("limits.maxRegionsPerClient=-1", "limits.maxRegionsPerClient"),
+        ("limits.maxChannels=-1", "limits.maxChannels"),
         ("limits.memoryIdleTimeoutSeconds=0", "limits.memoryIdleTimeoutSeconds"),
         ("keepalive.timeoutSecond=5", "Additional property timeoutSecond is not allowed"),
     ],
@@ -278,6 +279,7 @@ def test_the_server_reads_every_rendered_setting_and_gets_the_chart_defaults(hel
     assert config.max_registered_regions == limits["maxRegisteredRegions"]
     assert config.max_registered_bytes == limits["maxRegisteredBytes"]
     assert config.memory_idle_timeout_s == limits["memoryIdleTimeoutSeconds"]
+    assert config.max_channels == limits["maxChannels"]
     assert config.bind_regions_to_client is limits["bindRegionsToClient"]
     assert config.max_concurrent_calls_per_client == limits["maxConcurrentCallsPerClient"]
     assert config.max_regions_per_client == limits["maxRegionsPerClient"]
@@ -296,6 +298,7 @@ def test_the_server_reads_every_rendered_setting_and_gets_the_chart_defaults(hel
         "max_registered_regions",
         "max_registered_bytes",
         "memory_idle_timeout_s",
+        "max_channels",
         "bind_regions_to_client",
         "keepalive_time_s",
         "keepalive_timeout_s",
@@ -318,6 +321,8 @@ def test_limits_and_keepalive_settings_reach_the_container(helm):
                 "limits.maxRegisteredBytesPerClient=68719476736",
                 "--set",
                 "keepalive.maxConnectionIdleSeconds=300",
+                "--set",
+                "limits.maxChannels=0",
             )
         )
     )
@@ -325,6 +330,7 @@ def test_limits_and_keepalive_settings_reach_the_container(helm):
     assert env["DDTREE_BIND_REGIONS_TO_CLIENT"] == "0"
     assert env["DDTREE_MAX_REGISTERED_BYTES_PER_CLIENT"] == "68719476736"
     assert env["DDTREE_MAX_CONNECTION_IDLE_S"] == "300"
+    assert env["DDTREE_MAX_CHANNELS"] == "0"
 
 
 def test_metrics_disabled_renders_no_metrics_port_or_variable(helm):

@@ -40,6 +40,7 @@ def test_env_vars_fill_the_config() -> None:
         "DDTREE_CACHE_DIR": "/tmp/kc",
         "DDTREE_DISABLE_JIT": "1",
         "DDTREE_METRICS_PORT": "9400",
+        "DDTREE_MAX_CHANNELS": "0",
     }
     config = config_from_args([], env)
     assert config.listen == ("0.0.0.0:6000", "unix:/tmp/x.sock")
@@ -50,6 +51,7 @@ def test_env_vars_fill_the_config() -> None:
     assert config.cache_dir == Path("/tmp/kc")
     assert config.disable_jit is True
     assert config.metrics_port == 9400
+    assert config.max_channels == 0
     assert config.kernel_environment() == {
         "DDTREE_DISABLE_JIT": "1",
         "DDTREE_CACHE_DIR": "/tmp/kc",
@@ -74,8 +76,19 @@ def test_flags_win_over_env_vars() -> None:
         ({"DDTREE_MAX_MESSAGE_BYTES": "10"}, "max_message_bytes"),
         ({"DDTREE_METRICS_PORT": "70000"}, "metrics_port"),
         ({"DDTREE_REQUEST_DEADLINE_CAP_S": "0"}, "request_deadline_cap_s"),
+        ({"DDTREE_MAX_CHANNELS": "-1"}, "max_channels"),
     ],
-    ids=["grace", "bool", "no-port", "relative-unix", "device", "tiny-messages", "port", "cap"],
+    ids=[
+        "grace",
+        "bool",
+        "no-port",
+        "relative-unix",
+        "device",
+        "tiny-messages",
+        "port",
+        "cap",
+        "channels",
+    ],
 )
 def test_bad_values_name_the_setting(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

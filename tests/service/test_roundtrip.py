@@ -46,6 +46,7 @@ def test_server_info_names_devices_and_limits(client: Client) -> None:
     assert info.limits.max_budget == 1024
     assert info.limits.max_draft_len == 32
     assert info.limits.max_message_bytes == 512 << 20
+    assert info.limits.max_channels == 0  # doorbell channels need a CUDA device
     assert info.supports_memory_references is False
 
 

@@ -102,6 +102,8 @@ spec:
           value: {{ .Values.limits.maxRegisteredBytes | int64 | quote }}
         - name: DDTREE_MEMORY_IDLE_TIMEOUT_S
           value: {{ .Values.limits.memoryIdleTimeoutSeconds | quote }}
+        - name: DDTREE_MAX_CHANNELS
+          value: {{ .Values.limits.maxChannels | int64 | quote }}
         - name: DDTREE_BIND_REGIONS_TO_CLIENT
           value: {{ ternary "1" "0" .Values.limits.bindRegionsToClient | quote }}
         - name: DDTREE_MAX_CONCURRENT_CALLS_PER_CLIENT

@@ -48,7 +48,7 @@ class Device(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., name: _Optional[str] = ..., compute_capability_major: _Optional[int] = ..., compute_capability_minor: _Optional[int] = ..., total_memory_bytes: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_budget", "max_draft_len", "max_message_bytes", "max_tensor_bytes", "max_batch_size", "max_concurrent_calls", "request_deadline_cap_s")
+    __slots__ = ("max_budget", "max_draft_len", "max_message_bytes", "max_tensor_bytes", "max_batch_size", "max_concurrent_calls", "request_deadline_cap_s", "max_channels")
     MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class ServerLimits(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_CALLS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_DEADLINE_CAP_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     max_budget: int
     max_draft_len: int
     max_message_bytes: int
@@ -63,7 +64,8 @@ class ServerLimits(_message.Message):
     max_batch_size: int
     max_concurrent_calls: int
     request_deadline_cap_s: float
-    def __init__(self, max_budget: _Optional[int] = ..., max_draft_len: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_concurrent_calls: _Optional[int] = ..., request_deadline_cap_s: _Optional[float] = ...) -> None: ...
+    max_channels: int
+    def __init__(self, max_budget: _Optional[int] = ..., max_draft_len: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_tensor_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_concurrent_calls: _Optional[int] = ..., request_deadline_cap_s: _Optional[float] = ..., max_channels: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "devices", "limits", "supports_memory_references")
