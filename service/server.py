@@ -68,6 +68,8 @@ ERROR_DOMAIN = "ddtree.v1"
 _STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _FINAL_GRACE_S = 1.0
 """After the service's calls drained: how long gRPC waits for other streams (health Watch)."""
+_QUIET_S = 0.1
+"""Seconds with no new call the drain waits for, after the last in-flight call ended."""
 _EXIT_DEVICE_FAILED = 3
 
 
@@ -159,6 +161,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         self._in_flight = 0
         self.draining = False
         """Set when the server drains: new calls get UNAVAILABLE (``SHUTTING_DOWN``)."""
+        self.last_started = 0.0
+        """``time.monotonic()`` when the last call reached this interceptor."""
 
     @property
     def in_flight(self) -> int:
@@ -188,6 +192,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             request_id = secrets.token_hex(8)
             started = time.perf_counter()
+            self.last_started = time.monotonic()
             code = "OK"
             if self._observer is not None:
                 self._observer.rpc_started(SERVICE_NAME, method)
@@ -380,7 +385,11 @@ class Server:
             self._calls.draining = True
             if self.engine.channels is not None:  # their watchers see CLOSED ("shutdown")
                 await loop.run_in_executor(None, self.engine.channels.close_all)
-            while self._calls.in_flight and loop.time() < deadline:
+            # Then a quiet period, so that calls the transport had already taken in reach the
+            # interceptor and get their UNAVAILABLE rather than race the stop below.
+            while (
+                self._calls.in_flight or time.monotonic() - self._calls.last_started < _QUIET_S
+            ) and loop.time() < deadline:
                 await asyncio.sleep(0.01)
             grace = min(_FINAL_GRACE_S, max(0.0, deadline - loop.time()))
         await self.grpc_server.stop(grace)

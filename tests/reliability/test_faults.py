@@ -137,10 +137,18 @@ def test_sigterm_under_load_drains_and_exits_0(tmp_path: Path, step: Step) -> No
             stop.set()
             assert process.wait(timeout=60) == 0
             watcher.result(timeout=60)
-        # The in-flight call finished; every load call either finished or was refused.
+        # The in-flight call finished; every load call either finished or was refused. The
+        # server cancelled no call it had started. (One CI run, not reproduced since, saw a
+        # worker's last call end CANCELLED: a call the server never handled, cut off as the
+        # process exited. The server now refuses stragglers for a quiet period before it stops;
+        # the log lines below tell the two cases apart if it happens again.)
         assert int(tree.num_nodes[0]) == 1025
-        assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
-        assert "OK" in codes and codes.count("UNAVAILABLE") == 4, codes  # each worker stops at one
+        rpc_lines = [line for line in log.text().splitlines() if "event=rpc_" in line][-40:]
+        assert not any("event=rpc_cancelled" in line for line in rpc_lines), rpc_lines
+        assert set(codes) <= {"OK", "UNAVAILABLE", "CANCELLED"}, (codes, rpc_lines)
+        assert codes.count("CANCELLED") <= 1, (codes, rpc_lines)
+        refused = codes.count("UNAVAILABLE") + codes.count("CANCELLED")
+        assert "OK" in codes and refused == 4, (codes, rpc_lines)  # each worker stops at one
         # Health said SERVING, then NOT_SERVING before the server went away.
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
