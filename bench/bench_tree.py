@@ -35,7 +35,7 @@ VOCAB = 163840
 DRAFT_LEN = 16
 
 
-def _time_ms(fn: Callable[[int], object], iters: int, warmup: int = 3) -> float:
+def median_event_ms(fn: Callable[[int], object], iters: int, warmup: int = 3) -> float:
     """Median milliseconds of ``fn(i)`` over ``iters`` iterations, CUDA events per iteration."""
     for i in range(warmup):
         fn(i)
@@ -51,7 +51,7 @@ def _time_ms(fn: Callable[[int], object], iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _graph_ms(fn: Callable[[int], object], calls: int) -> float:
+def cuda_graph_ms(fn: Callable[[int], object], calls: int) -> float:
     """Device time of one ``fn`` call: ``calls`` calls (rotating inputs) captured in a CUDA
     graph, replayed, median per call. Leaves out the Python launch overhead of eager calls."""
     for i in range(calls):
@@ -64,18 +64,31 @@ def _graph_ms(fn: Callable[[int], object], calls: int) -> float:
         for i in range(calls):
             fn(i)
     torch.cuda.current_stream().wait_stream(stream)
-    return _time_ms(lambda _: graph.replay(), 10) / calls
+    return median_event_ms(lambda _: graph.replay(), 10) / calls
 
 
-def _copy_bandwidth() -> float:
+def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda _: dst.copy_(src), 10)
+    ms = median_event_ms(lambda _: dst.copy_(src), 10)
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def _torch_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def bf16_logits(batch_size: int, count: int) -> list[torch.Tensor]:
+    """``count`` draft-logit buffers ``[batch_size, DRAFT_LEN, VOCAB]``, bf16 ``randn * 3``
+    (seeded by the batch size), rotated so that the L2 cache cannot serve them."""
+    gen = torch.Generator(device="cuda").manual_seed(batch_size)
+    return [
+        (torch.randn(batch_size, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * 3).to(
+            torch.bfloat16
+        )
+        for _ in range(count)
+    ]
+
+
+def log_softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch peer: ``topk(log_softmax(logits.float()), k)`` over the last dimension."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)  # [b, l, v]
     return torch.topk(log_probs, k, dim=-1)
 
@@ -112,13 +125,7 @@ def bench_build(batch_sizes: list[int], budgets: list[int], floor_bw: float, qui
 def _bench_batch(batch_size: int, budgets: list[int], floor_bw: float, quick: bool) -> list:
     nbytes = batch_size * DRAFT_LEN * VOCAB * 2
     buffers = max(2, min(8, math.ceil(240e6 / nbytes)))
-    gen = torch.Generator(device="cuda").manual_seed(batch_size)
-    logits = [
-        (torch.randn(batch_size, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * 3).to(
-            torch.bfloat16
-        )
-        for _ in range(buffers)
-    ]
+    logits = bf16_logits(batch_size, buffers)
     roots = torch.zeros(batch_size, dtype=torch.int64, device="cuda")
     # With error_flags the op never synchronises, so it can be captured in a CUDA graph.
     flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
@@ -130,17 +137,17 @@ def _bench_batch(batch_size: int, budgets: list[int], floor_bw: float, quick: bo
             return tree_cuda.build_tree(logits[i % buffers], roots, budget, error_flags=flags)
 
         def torch_topk(i: int, budget: int = budget) -> object:
-            return _torch_topk(logits[i % buffers], budget)
+            return log_softmax_topk(logits[i % buffers], budget)
 
         def cpu_heap(i: int, budget: int = budget) -> object:
-            values, ids = _torch_topk(logits[i % buffers], budget)
+            values, ids = log_softmax_topk(logits[i % buffers], budget)
             return _cpu_heap(values.cpu().tolist(), ids.cpu().tolist(), budget)
 
-        ours_ms = _time_ms(ours, iters)
-        graph_ms = _graph_ms(lambda i, budget=budget: ours(i, budget), buffers)
-        topk_ms = _time_ms(torch_topk, iters)
+        ours_ms = median_event_ms(ours, iters)
+        graph_ms = cuda_graph_ms(lambda i, budget=budget: ours(i, budget), buffers)
+        topk_ms = median_event_ms(torch_topk, iters)
         heap_iters = 2 if batch_size * budget > 8192 else 5
-        heap_ms = _time_ms(cpu_heap, heap_iters, warmup=1)
+        heap_ms = median_event_ms(cpu_heap, heap_iters, warmup=1)
         floor_ms = nbytes / floor_bw * 1e3
         rows.append(
             {
@@ -215,9 +222,9 @@ def bench_accept_commit(batch_size: int = 32, budget: int = 64) -> dict:
     def ours_commit(_: int) -> object:
         return tree_cuda.commit_kv(cache, table, prefix, acc, error_flags=flags)
 
-    eager_ms = _time_ms(ours, 50)
-    accept_ms = _time_ms(ours_accept, 50)
-    commit_ms = _time_ms(ours_commit, 50)
+    eager_ms = median_event_ms(ours, 50)
+    accept_ms = median_event_ms(ours_accept, 50)
+    commit_ms = median_event_ms(ours_commit, 50)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -226,7 +233,7 @@ def bench_accept_commit(batch_size: int = 32, budget: int = 64) -> dict:
         for _ in range(10):
             ours(0)
     torch.cuda.current_stream().wait_stream(stream)
-    graph_ms = _time_ms(lambda _: graph.replay(), 30) / 10
+    graph_ms = median_event_ms(lambda _: graph.replay(), 30) / 10
 
     def python_path(_: int) -> object:
         toks, pars, nums, tgts = (
@@ -247,7 +254,7 @@ def bench_accept_commit(batch_size: int = 32, budget: int = 64) -> dict:
         flat.index_copy_(0, dst_t, flat.index_select(0, src_t))
         return paths
 
-    python_ms = _time_ms(python_path, 10)
+    python_ms = median_event_ms(python_path, 10)
     return {
         "batch_size": batch_size,
         "num_nodes_max": tree.num_nodes_max,
@@ -266,7 +273,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     args = parser.parse_args()
     name = torch.cuda.get_device_name()
-    bandwidth = _copy_bandwidth()
+    bandwidth = copy_bandwidth()
     build = bench_build([1, 8, 32, 128], [16, 64, 256, 1024], bandwidth, args.quick)
     accept_commit = bench_accept_commit()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")

@@ -6,8 +6,9 @@ vocab 163840, bf16 ``randn * 3`` logits: the device time of the whole op from a 
 graph of calls over rotating logits buffers (at least 240 MB of them, so L2 cannot serve them),
 and the time of each kernel (``ddtree_build_topk``, ``_merge``, ``_select``) from the PyTorch
 profiler over the same calls. torch ``log_softmax`` + ``topk`` and the read-once floor (logit bytes
-over the measured copy bandwidth) are measured in the same run. Writes
-``bench/results/<date>-<gpu>-build-sweep.json`` (or ``--out``).
+over the measured copy bandwidth) are measured in the same run, with the inputs and timing
+helpers of ``bench_tree.py``. Writes ``bench/results/<date>-<gpu>-build-sweep.json`` (or
+``--out``).
 
 Usage: ``python bench/sweep_build_tree.py [--out PATH] [--variants 2x4,4x2,...]``.
 """
@@ -18,37 +19,23 @@ import argparse
 import datetime
 import json
 import math
-import statistics
 from pathlib import Path
 
 import torch
+from bench_tree import (
+    DRAFT_LEN,
+    VOCAB,
+    bf16_logits,
+    copy_bandwidth,
+    cuda_graph_ms,
+    log_softmax_topk,
+    median_event_ms,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from ddtree.kernels import tree_cuda
 
-VOCAB = 163840
-DRAFT_LEN = 16
 SHAPES = [(1, 64), (8, 64), (32, 16), (32, 64), (32, 256), (32, 1024), (128, 64)]
-
-
-def _median_event_ms(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    ms = _median_event_ms(lambda: dst.copy_(src), 10)
-    return 2 * src.numel() / (ms * 1e-3)
 
 
 def _measure(batch_size: int, budget: int, buffers: list[torch.Tensor]) -> dict:
@@ -58,18 +45,7 @@ def _measure(batch_size: int, budget: int, buffers: list[torch.Tensor]) -> dict:
     def call(i: int) -> object:
         return tree_cuda.build_tree(buffers[i % len(buffers)], roots, budget, error_flags=flags)
 
-    for i in range(len(buffers)):
-        call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(len(buffers)):
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    graph_ms = _median_event_ms(graph.replay, 10) / len(buffers)
+    graph_ms = cuda_graph_ms(call, len(buffers))
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(2 * len(buffers)):
@@ -94,33 +70,19 @@ def main() -> None:
     args = parser.parse_args()
     variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
     name = torch.cuda.get_device_name()
-    bandwidth = _copy_bandwidth()
+    bandwidth = copy_bandwidth()
     results = []
     for batch_size in sorted({b for b, _ in SHAPES}):
         nbytes = batch_size * DRAFT_LEN * VOCAB * 2
-        count = max(2, min(48, math.ceil(240e6 / nbytes)))
-        gen = torch.Generator(device="cuda").manual_seed(batch_size)
-        buffers = [
-            (torch.randn(batch_size, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * 3).to(
-                torch.bfloat16
-            )
-            for _ in range(count)
-        ]
+        buffers = bf16_logits(batch_size, max(2, min(48, math.ceil(240e6 / nbytes))))
         for budget in [k for b, k in SHAPES if b == batch_size]:
             row: dict = {
                 "batch_size": batch_size,
                 "budget": budget,
                 "read_once_floor_ms": round(nbytes / bandwidth * 1e3, 4),
             }
-            logits = buffers[0]
             row["torch_log_softmax_topk_ms"] = round(
-                _median_event_ms(
-                    lambda logits=logits, budget=budget: torch.topk(
-                        torch.log_softmax(logits.float(), dim=-1), budget, dim=-1
-                    ),
-                    10,
-                ),
-                4,
+                median_event_ms(lambda _, x=buffers[0], k=budget: log_softmax_topk(x, k), 10), 4
             )
             for unroll, min_blocks in variants:
                 tree_cuda._TOPK_UNROLL = unroll
