@@ -223,18 +223,18 @@ __device__ uint64_t ddtree_warp_select(const uint64_t* cand, int n, int k, bool 
   return prefix & mask;
 }
 
-// Keeps the entries of cand[0, n) that are >= t, in place and in order, and returns how many.
-// One whole warp calls it.
-__device__ int ddtree_warp_filter(uint64_t* cand, int n, uint64_t t) {
+// Copies the entries of src[0, n) that are >= t to dst, in order, and returns how many. dst
+// may be src (in place: writes go to positions <= the read ones). One whole warp calls it.
+__device__ int ddtree_warp_filter(const uint64_t* src, int n, uint64_t t, uint64_t* dst) {
   const int lane = threadIdx.x & 31;
   int out = 0;
   for (int base = 0; base < n; base += 32) {
     const int i = base + lane;
-    const uint64_t c = i < n ? cand[i] : 0;
+    const uint64_t c = i < n ? src[i] : 0;
     const bool take = i < n && c >= t;
     const uint32_t ballot = __ballot_sync(DDTREE_FULL, take);
-    __syncwarp();  // every lane has read its entry before any write (writes go to <= i)
-    if (take) cand[out + __popc(ballot & ddtree_lanes_below())] = c;
+    __syncwarp();  // every lane has read its entry before any write
+    if (take) dst[out + __popc(ballot & ddtree_lanes_below())] = c;
     out += __popc(ballot);
     __syncwarp();
   }
@@ -248,10 +248,10 @@ __device__ int ddtree_warp_filter(uint64_t* cand, int n, uint64_t t) {
 __device__ __noinline__ int ddtree_warp_shrink(uint64_t* cand, int n, int k, int room,
                                                uint32_t* hist, uint64_t* threshold_out) {
   uint64_t t = ddtree_warp_select(cand, n, k, false, hist);
-  int kept = ddtree_warp_filter(cand, n, t);
+  int kept = ddtree_warp_filter(cand, n, t, cand);
   if (kept > room) {
     t = ddtree_warp_select(cand, kept, k, true, hist);
-    kept = ddtree_warp_filter(cand, kept, t);
+    kept = ddtree_warp_filter(cand, kept, t, cand);
   }
   *threshold_out = t;
   return kept;
@@ -474,15 +474,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   const int64_t parts = (int64_t)gridDim.x * TOPK_WARPS;
   const int64_t part = row * parts + chunk * TOPK_WARPS + warp;
   uint64_t* out = part_keys + part * top_k;
-  int written = 0;
-  for (int base = 0; base < count; base += 32) {
-    const int i = base + lane;
-    const uint64_t c = i < count ? cand[i] : 0;
-    const bool take = i < count && c >= final_threshold;
-    const uint32_t ballot = __ballot_sync(DDTREE_FULL, take);
-    if (take) out[written + __popc(ballot & ddtree_lanes_below())] = c;
-    written += __popc(ballot);
-  }
+  const int written = ddtree_warp_filter(cand, count, final_threshold, out);
   // Pads: composite 0, below every real composite (token 0xFFFFFFFF).
   for (int i = written + lane; i < top_k; i += 32) out[i] = 0;
   if (lane == 0) {
