@@ -75,6 +75,7 @@ from ddtree.clients.remote import _build_tree_op
 from ddtree.service import convert
 from ddtree.service.engine import Engine
 from ddtree.service.errors import IpcOpenFailed
+from ddtree.service.memory import device_bytes
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 
@@ -399,18 +400,6 @@ def _target(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class _DeviceBytes:
-    def __init__(self, pointer: int, byte_size: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (byte_size,),
-            "typestr": "|u1",
-            "data": (pointer, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
-
-
 class _SelfMapper:
     """``IpcMapper`` over this process's own allocations, for the in-process stage timing
     (the driver refuses to open a process's own IPC handles): ``expose`` names an allocation's
@@ -440,7 +429,7 @@ class _SelfMapper:
         return None
 
     def as_bytes(self, pointer: int, byte_size: int, device: torch.device) -> torch.Tensor:
-        return torch.as_tensor(_DeviceBytes(pointer, byte_size), device=device)
+        return device_bytes(pointer, byte_size, device)
 
     def release(self) -> None:
         return None

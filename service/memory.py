@@ -69,6 +69,7 @@ __all__ = [
     "RegionTable",
     "check_client_id",
     "check_reference",
+    "device_bytes",
 ]
 
 _log = logging.getLogger(__name__)
@@ -867,6 +868,12 @@ class _DeviceBytes:
         }
 
 
+def device_bytes(pointer: int, byte_size: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of shape ``(byte_size,)`` over existing device memory at ``pointer``
+    (no copy, no ownership): what an ``IpcMapper.as_bytes`` returns."""
+    return torch.as_tensor(_DeviceBytes(pointer, byte_size), device=device)
+
+
 class CudaIpcMapper:
     """``IpcMapper`` over the CUDA driver (cuda-python), on one device's primary context.
 
@@ -972,7 +979,7 @@ class CudaIpcMapper:
 
     def as_bytes(self, pointer: int, byte_size: int, device: torch.device) -> torch.Tensor:
         """See ``IpcMapper.as_bytes``."""
-        return torch.as_tensor(_DeviceBytes(pointer, byte_size), device=device)
+        return device_bytes(pointer, byte_size, device)
 
     def release(self) -> None:
         """See ``IpcMapper.release``."""
