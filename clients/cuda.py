@@ -497,19 +497,26 @@ class RequestRefs:
                 self._tokens[allocation.buffer_id] = token
         return list(seen.values())
 
-    def ref_for(self, tensor: torch.Tensor) -> tensor_pb2.TensorRef | None:
-        """The wire reference of ``tensor``, or ``None`` to send it inline."""
-        where = self._where.get(id(tensor))
-        if where is None:
+    def where(self, tensor: torch.Tensor) -> tuple[str, int] | None:
+        """``(region_token, offset_bytes)`` of ``tensor``, or ``None`` to send it inline."""
+        located = self._where.get(id(tensor))
+        if located is None:
             return None
-        allocation, offset = where
+        allocation, offset = located
         token = self._tokens.get(allocation.buffer_id)
         if token is None:
             token = self._registry.token(allocation)
             if token is None:
-                raise RuntimeError("RequestRefs.ref_for: register missing() allocations first")
+                raise RuntimeError("RequestRefs.where: register missing() allocations first")
             self._tokens[allocation.buffer_id] = token
-        return tensor_pb2.TensorRef(region_token=token, offset_bytes=offset)
+        return token, offset
+
+    def ref_for(self, tensor: torch.Tensor) -> tensor_pb2.TensorRef | None:
+        """The wire reference of ``tensor``, or ``None`` to send it inline."""
+        located = self.where(tensor)
+        if located is None:
+            return None
+        return tensor_pb2.TensorRef(region_token=located[0], offset_bytes=located[1])
 
 
 class ClientIpc:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,11 @@ from ddtree.service.errors import MalformedRequest, Overloaded
 __all__ = ["AccessInterceptor", "bind", "client_identity", "server_credentials"]
 
 _log = logging.getLogger(__name__)
+
+_IDENTITY: ContextVar[tuple[object, str] | None] = ContextVar("ddtree_identity", default=None)
+"""``(context, identity)`` of the call being handled, set by ``AccessInterceptor`` (each call
+runs in a task of its own, so the value never reaches another call; the context is compared
+as well)."""
 
 _OWNER_ONLY_UMASK = 0o177
 """umask while a Unix socket is created: the file starts as 0600, never wider than asked."""
@@ -117,6 +123,13 @@ def client_identity(context: grpc.aio.ServicerContext) -> str:
         ``"x509:<subject>"`` for a client certificate (mTLS), ``"ip:<address>"`` for a TCP peer
         without one, ``"unix"`` for every caller on a Unix socket.
     """
+    known = _IDENTITY.get()
+    if known is not None and known[0] is context:
+        return known[1]
+    return _identity_of(context)
+
+
+def _identity_of(context: grpc.aio.ServicerContext) -> str:
     auth: dict[str, list[bytes]] = context.auth_context()
     for key in ("x509_subject", "x509_common_name"):
         values = auth.get(key)
@@ -167,6 +180,10 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         self._prefix = f"/{service_name}/"
         self._max_calls_per_client = max_calls_per_client
         self._in_flight: dict[str, int] = {}
+        # Method -> (the handler it wraps, the wrapper): gRPC asks for a call's handler on
+        # every call, and wrapping the same handler again each time costs a closure and a
+        # handler object per call.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -177,11 +194,16 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or handler.unary_unary is None or not method.startswith(self._prefix):
             return handler
-        return grpc.unary_unary_rpc_method_handler(
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = grpc.unary_unary_rpc_method_handler(
             self._wrap(method[len(self._prefix) :], handler.unary_unary),
             request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
     def _wrap(
         self, method: str, inner: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
@@ -198,7 +220,8 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             limit = self._max_calls_per_client
             if limit == 0:
                 return await inner(request, context)
-            identity = client_identity(context)
+            identity = _identity_of(context)
+            _IDENTITY.set((context, identity))  # the servicer asks again
             count = self._in_flight.get(identity, 0)
             if count >= limit:
                 raise Overloaded(

@@ -184,15 +184,20 @@ def _check_tensor(
             f"{field}: expected dtype {expected}, got {_dtype_name(tensor.dtype)}", field=field
         )
     got = tuple(tensor.shape)
-    if len(got) != len(shape) or any(
-        e is not None and e != g for e, g in zip(shape, got, strict=True)
-    ):
+    # A plain loop: this runs for every tensor of every call, and a generator costs more.
+    matches = len(got) == len(shape)
+    if matches:
+        for want_extent, extent in zip(shape, got):  # noqa: B905 (lengths checked above)
+            if want_extent is not None and want_extent != extent:
+                matches = False
+                break
+    if not matches:
         expected = ", ".join(names)
         want = ", ".join("?" if e is None else str(e) for e in shape)
         raise InvalidTensor(
             f"{field}: expected shape ({expected}) = ({want}), got {got}", field=field
         )
-    byte_size = tensor.numel() * tensor.element_size()
+    byte_size = tensor.nbytes
     if byte_size > limits.max_tensor_bytes:
         raise TensorTooLarge(
             f"{field}: {byte_size} bytes exceeds the server's max_tensor_bytes "

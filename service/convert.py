@@ -163,23 +163,16 @@ class TensorResolver:
                 field=f"{field}.dtype",
             )
         shape = tuple(message.shape)
-        if any(extent < 0 for extent in shape):
+        if shape and min(shape) < 0:
             raise InvalidTensor(
                 f"{field}.shape: expected extents >= 0, got {list(shape)}", field=f"{field}.shape"
             )
-        itemsize = dtype.itemsize
-        byte_size = math.prod(shape) * itemsize
-        if byte_size > self.limits.max_tensor_bytes:
-            raise TensorTooLarge(
-                f"{field}: shape {list(shape)} needs {byte_size} bytes, over the server's "
-                f"max_tensor_bytes {self.limits.max_tensor_bytes}; split the batch",
-                field=field,
-            )
+        byte_size = self._checked_size(field, dtype, shape)
         kind = message.WhichOneof("data")
         if kind is None:
             raise MissingField(f"{field}: neither inline nor ref data is set", field=field)
         if kind == "ref":
-            return self.resolve_ref(message.ref, field, dtype, shape)
+            return self._view(message.ref, field, dtype, shape)
         data = message.inline
         if len(data) != byte_size:
             raise InvalidTensor(
@@ -203,7 +196,26 @@ class TensorResolver:
 
         Also used for output destinations, whose dtype and shape follow from the request.
         """
-        if self.leases is None:
+        self._checked_size(field, dtype, shape)
+        return self._view(ref, field, dtype, shape)
+
+    def _checked_size(self, field: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+        """``prod(shape) * itemsize``, refused past ``max_tensor_bytes``."""
+        byte_size = math.prod(shape) * dtype.itemsize
+        if byte_size > self.limits.max_tensor_bytes:
+            raise TensorTooLarge(
+                f"{field}: shape {list(shape)} needs {byte_size} bytes, over the server's "
+                f"max_tensor_bytes {self.limits.max_tensor_bytes}; split the batch",
+                field=field,
+            )
+        return byte_size
+
+    def _view(
+        self, ref: tensor_pb2.TensorRef, field: str, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        # ``resolve_ref`` after the size check (``resolve`` has made it already).
+        leases = self.leases
+        if leases is None:
             if self.memory is None:
                 raise MemoryReferencesUnsupported(
                     f"{field}.ref: this server does not support registered memory references "
@@ -211,15 +223,7 @@ class TensorResolver:
                     field=f"{field}.ref",
                 )
             raise RuntimeError("TensorResolver.resolve_ref: use a per-call resolver (for_call)")
-        itemsize = dtype.itemsize
-        byte_size = math.prod(shape) * itemsize
-        if byte_size > self.limits.max_tensor_bytes:
-            raise TensorTooLarge(
-                f"{field}: shape {list(shape)} needs {byte_size} bytes, over the server's "
-                f"max_tensor_bytes {self.limits.max_tensor_bytes}; split the batch",
-                field=field,
-            )
-        return self.leases.resolve(field, ref.region_token, ref.offset_bytes, dtype, shape)
+        return leases.resolve(field, ref.region_token, ref.offset_bytes, dtype, shape)
 
     def required(self, parent: object, name: str, field: str) -> torch.Tensor:
         """Decode the message-typed field ``name`` of ``parent``, which must be set."""
@@ -292,19 +296,34 @@ def _set_ref(message: tensor_pb2.Tensor, tensor: torch.Tensor, ref: tensor_pb2.T
     message.ref.CopyFrom(ref)
 
 
-def tree_refs_to_proto(refs: tree_pb2.TreeOutputRefs, tree: Tree) -> tree_pb2.Tree:
-    """The response ``Tree`` of a tree written into caller memory: references, no bytes."""
-    message = tree_pb2.Tree(draft_len=tree.draft_len)
+def tree_refs_to_proto(
+    refs: tree_pb2.TreeOutputRefs, tree: Tree, message: tree_pb2.Tree | None = None
+) -> tree_pb2.Tree:
+    """The response ``Tree`` of a tree written into caller memory: references, no bytes.
+
+    Fills ``message`` (an empty ``Tree`` inside the response: no copy of it afterwards) when
+    given, else a new one; returns it.
+    """
+    if message is None:
+        message = tree_pb2.Tree()
+    message.draft_len = tree.draft_len
     for name in _TREE_FIELDS:
         _set_ref(getattr(message, name), getattr(tree, name), getattr(refs, name))
     return message
 
 
 def acceptance_refs_to_proto(
-    refs: tree_pb2.AcceptanceOutputRefs, acceptance: Acceptance
+    refs: tree_pb2.AcceptanceOutputRefs,
+    acceptance: Acceptance,
+    message: tree_pb2.Acceptance | None = None,
 ) -> tree_pb2.Acceptance:
-    """The response ``Acceptance`` written into caller memory: references, no bytes."""
-    message = tree_pb2.Acceptance()
+    """The response ``Acceptance`` written into caller memory: references, no bytes.
+
+    Fills ``message`` (an empty ``Acceptance`` inside the response) when given, else a new
+    one; returns it.
+    """
+    if message is None:
+        message = tree_pb2.Acceptance()
     for name in _ACCEPTANCE_FIELDS:
         _set_ref(getattr(message, name), getattr(acceptance, name), getattr(refs, name))
     return message

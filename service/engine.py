@@ -201,6 +201,12 @@ class EngineInfo:
     """GPU doorbell channels open at once; ``0``: this engine offers none."""
 
 
+def _release(leases: Leases | None) -> None:
+    # A call refused before its work is queued never reaches the future's release.
+    if leases is not None:
+        leases.release()
+
+
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -294,6 +300,8 @@ class Engine:
         )
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._device_lock = threading.Lock()  # held while an op runs, on whichever thread
+        self._flags: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        """``error_flags`` on the device and its pinned host copy, reused (``_flag_buffers``)."""
         self.inline_ops = self.device.type == "cuda"
         """Whether ``inline=True`` calls run on the calling thread when the device is free (on
         by default on CUDA, where an op's host work and device wait take well under a
@@ -382,6 +390,12 @@ class Engine:
         _log.info("event=warm_up_done device=%s backend=%s", self.device, self.backend)
 
     def _warm_up_on_worker(self) -> None:
+        # Under the device lock like every op (they share the flag buffers); warming up again
+        # while serving only queues the inline calls behind it.
+        with self._device_lock:
+            self._warm_up_ops()
+
+    def _warm_up_ops(self) -> None:
         # Tiny inputs through every op: compiles (or loads) the kernels and proves they run.
         backend = self.backend
         device = self.device
@@ -535,7 +549,7 @@ class Engine:
         WarmingUp, ShuttingDown
             The engine is not ready or closed.
         """
-        with self._releasing_on_error(call.leases):
+        try:
             self._check_state()
             validate_build_tree(call, self.limits)
             return self._submit(
@@ -545,6 +559,9 @@ class Engine:
                 wait_event=(call.wait_event_ipc_handle, "build_tree.wait_event_ipc_handle"),
                 inline=inline,
             )
+        except BaseException:
+            _release(call.leases)
+            raise
 
     def accept_tree(
         self, call: AcceptTreeCall, *, inline: bool = False
@@ -570,7 +587,7 @@ class Engine:
         WarmingUp, ShuttingDown
             The engine is not ready or closed.
         """
-        with self._releasing_on_error(call.leases):
+        try:
             self._check_state()
             validate_accept_tree(call, self.limits)
             return self._submit(
@@ -580,6 +597,9 @@ class Engine:
                 wait_event=(call.wait_event_ipc_handle, "accept_tree.wait_event_ipc_handle"),
                 inline=inline,
             )
+        except BaseException:
+            _release(call.leases)
+            raise
 
     def verify_attention(
         self, call: VerifyAttentionCall, *, inline: bool = False
@@ -601,7 +621,7 @@ class Engine:
         WarmingUp, ShuttingDown
             The engine is not ready or closed.
         """
-        with self._releasing_on_error(call.leases):
+        try:
             self._check_state()
             validate_verify_attention(call, self.limits)
             return self._submit(
@@ -611,6 +631,9 @@ class Engine:
                 wait_event=(call.wait_event_ipc_handle, "verify_attention.wait_event_ipc_handle"),
                 inline=inline,
             )
+        except BaseException:
+            _release(call.leases)
+            raise
 
     # ------------------------------------------------------------------ internals
 
@@ -619,16 +642,6 @@ class Engine:
             raise ShuttingDown("engine: shutting down, send the call to another replica")
         if not self._is_ready:
             raise WarmingUp("engine: kernels are warming up, retry shortly")
-
-    @contextlib.contextmanager
-    def _releasing_on_error(self, leases: Leases | None) -> Iterator[None]:
-        # A call refused before its work is queued never reaches the future's release.
-        try:
-            yield
-        except BaseException:
-            if leases is not None:
-                leases.release()
-            raise
 
     def _submit(
         self,
@@ -688,8 +701,13 @@ class Engine:
             future: Future[_T] = Future()
             future.set_running_or_notify_cancel()
             try:
-                with self._on_stream():
+                if self._stream is None:
                     future.set_result(run_checked())
+                else:
+                    # An inline op on the caller's thread: this engine's stream (and with it
+                    # its device, which ``torch.cuda.stream`` makes current) for its length.
+                    with torch.cuda.stream(self._stream):
+                        future.set_result(run_checked())
             except BaseException as err:  # delivered through the future, as from the worker
                 future.set_exception(err)
             finally:
@@ -704,15 +722,6 @@ class Engine:
         if leases is not None:
             future.add_done_callback(lambda _: leases.release())
         return future
-
-    @contextlib.contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        # An inline op on the caller's thread: this engine's device and stream for its length.
-        if self._stream is None:
-            yield
-            return
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            yield
 
     def _enter_stream(self) -> None:
         # The worker's initializer: every op of this engine runs on its stream.
@@ -762,7 +771,8 @@ class Engine:
         ``_check_flags`` has synchronised the stream; results the caller wants on the host can
         be queued for copying before that, so one synchronisation serves them all.
         """
-        flags = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        flags, host = self._flag_buffers(batch_size)
+        flags.zero_()
         timer = self._observer.time_op(op, self.device) if observe else contextlib.nullcontext()
         try:
             with timer:
@@ -771,9 +781,32 @@ class Engine:
             if isinstance(err, InvalidArgument):
                 raise
             raise InvalidArgument(f"{_RPC_OF_OP[op]}: {err}") from err
-        if self._stream is not None:
-            flags = flags.to("cpu", non_blocking=True)
-        return result, flags
+        if host is None:
+            return result, flags
+        host.copy_(flags, non_blocking=True)
+        return result, host
+
+    def _flag_buffers(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ``error_flags`` of one op (``[batch_size]`` int32 on the device) and, on CUDA,
+        the pinned host buffer its verdict is copied into.
+
+        Both are this engine's, reused by every op: every op (warm-up's too) holds the device
+        lock, every use is ordered on the engine's stream (zeroed there before the launch,
+        copied there after it), and the host copy is read only after the stream
+        synchronisation of ``_check_flags``, before the next op of the call zeroes it again.
+        A fresh allocation per op cost a device allocation and a pinned host allocation (whose
+        release records an event) each time.
+        """
+        buffers = self._flags
+        if buffers is None or buffers[0].numel() < batch_size:
+            size = max(batch_size, self.limits.max_batch_size)
+            flags = torch.zeros(size, dtype=torch.int32, device=self.device)  # [size]
+            host = None
+            if self._stream is not None:
+                host = torch.zeros(size, dtype=torch.int32, pin_memory=True)  # [size]
+            buffers = self._flags = (flags, host)
+        flags, host = buffers
+        return flags[:batch_size], None if host is None else host[:batch_size]
 
     def _check_flags(self, op: str, flags: torch.Tensor) -> None:
         """Wait for the work queued so far (CUDA), then raise for the first flagged request.

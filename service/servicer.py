@@ -7,9 +7,8 @@ mapped to status codes by the server's interceptor.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -77,15 +76,6 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         cap = self._config.request_deadline_cap_s
         return cap if remaining is None else min(remaining, cap)
 
-    @contextlib.contextmanager
-    def _counted(self) -> Iterator[None]:
-        """Count a data call while it is handled (``_inline`` reads the count)."""
-        self._active += 1
-        try:
-            yield
-        finally:
-            self._active -= 1
-
     def _inline(self, byte_size: int) -> bool:
         """Whether a data call asks the engine to run its op on the event loop thread.
 
@@ -112,11 +102,17 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         deadline_s = time.monotonic() + budget_s
         resolver = self._resolver.for_owner(client_identity(context))
         byte_size = request.ByteSize()
-        with self._counted():
-            call = await _convert(
-                byte_size, lambda: decode(request, resolver, deadline_s=deadline_s)
-            )
+        self._active += 1  # counted while handled: ``_inline`` reads the count
+        try:
+            if byte_size <= _OFFLOAD_BYTES:
+                call = decode(request, resolver, deadline_s=deadline_s)
+            else:
+                call = await _convert(
+                    byte_size, lambda: decode(request, resolver, deadline_s=deadline_s)
+                )
             result = await self._await(submit(call, inline=self._inline(byte_size)), budget_s)
+        finally:
+            self._active -= 1
         return call, result
 
     async def _await(self, future: Future[_T], budget_s: float) -> _T:
@@ -185,7 +181,9 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
             request, context, convert.build_tree_call, self._engine.build_tree
         )
         if call.out is not None:
-            return pb.BuildTreeResponse(tree=convert.tree_refs_to_proto(request.outputs, tree))
+            response = pb.BuildTreeResponse()
+            convert.tree_refs_to_proto(request.outputs, tree, response.tree)
+            return response
         return pb.BuildTreeResponse(tree=convert.tree_to_proto(tree))
 
     async def AcceptTree(
@@ -199,10 +197,14 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
 
         def respond() -> pb.AcceptTreeResponse:
             if call.out is not None:
-                acceptance = convert.acceptance_refs_to_proto(request.outputs, result.acceptance)
+                response = pb.AcceptTreeResponse()
+                convert.acceptance_refs_to_proto(
+                    request.outputs, result.acceptance, response.acceptance
+                )
             else:
-                acceptance = convert.acceptance_to_proto(result.acceptance)
-            response = pb.AcceptTreeResponse(acceptance=acceptance)
+                response = pb.AcceptTreeResponse(
+                    acceptance=convert.acceptance_to_proto(result.acceptance)
+                )
             if result.kv_cache is not None and not cache_is_ref:
                 response.kv_cache.CopyFrom(convert.tensor_to_proto(result.kv_cache))
             return response
