@@ -302,6 +302,7 @@ class Engine:
         self._device_lock = threading.Lock()  # held while an op runs, on whichever thread
         self._flags: tuple[torch.Tensor, torch.Tensor | None] | None = None
         """``error_flags`` on the device and its pinned host copy, reused (``_flag_buffers``)."""
+        self._flag_views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.inline_ops = self.device.type == "cuda"
         """Whether ``inline=True`` calls run on the calling thread when the device is free (on
         by default on CUDA, where an op's host work and device wait take well under a
@@ -730,17 +731,33 @@ class Engine:
             torch.cuda.set_stream(self._stream)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        # A reference into caller memory is already there: two property reads instead of two
+        # torch calls (``to`` and ``contiguous`` would return it unchanged).
+        if tensor.device == self.device and tensor.is_contiguous():
+            return tensor
         return tensor.to(self.device, non_blocking=True).contiguous()
 
     def _tree_to_device(self, tree: Tree) -> Tree:
+        tensors = (
+            tree.tokens,
+            tree.parents,
+            tree.depths,
+            tree.log_probs,
+            tree.num_nodes,
+            tree.mask,
+        )
+        moved = [self._to_device(tensor) for tensor in tensors]
+        if all(new is old for new, old in zip(moved, tensors, strict=True)):
+            return tree
+        tokens, parents, depths, log_probs, num_nodes, mask = moved
         return replace(
             tree,
-            tokens=self._to_device(tree.tokens),
-            parents=self._to_device(tree.parents),
-            depths=self._to_device(tree.depths),
-            log_probs=self._to_device(tree.log_probs),
-            num_nodes=self._to_device(tree.num_nodes),
-            mask=self._to_device(tree.mask),
+            tokens=tokens,
+            parents=parents,
+            depths=depths,
+            log_probs=log_probs,
+            num_nodes=num_nodes,
+            mask=mask,
         )
 
     def _run_op(
@@ -795,8 +812,11 @@ class Engine:
         copied there after it), and the host copy is read only after the stream
         synchronisation of ``_check_flags``, before the next op of the call zeroes it again.
         A fresh allocation per op cost a device allocation and a pinned host allocation (whose
-        release records an event) each time.
+        release records an event) each time. The views of each batch size are kept too.
         """
+        views = self._flag_views.get(batch_size)
+        if views is not None:
+            return views
         buffers = self._flags
         if buffers is None or buffers[0].numel() < batch_size:
             size = max(batch_size, self.limits.max_batch_size)
@@ -805,8 +825,11 @@ class Engine:
             if self._stream is not None:
                 host = torch.zeros(size, dtype=torch.int32, pin_memory=True)  # [size]
             buffers = self._flags = (flags, host)
+            self._flag_views = {}
         flags, host = buffers
-        return flags[:batch_size], None if host is None else host[:batch_size]
+        views = (flags[:batch_size], None if host is None else host[:batch_size])
+        self._flag_views[batch_size] = views
+        return views
 
     def _check_flags(self, op: str, flags: torch.Tensor) -> None:
         """Wait for the work queued so far (CUDA), then raise for the first flagged request.
