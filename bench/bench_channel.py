@@ -18,7 +18,13 @@ Timed three ways where they apply, in microseconds per step: ``host`` (one step 
 synchronisation, wall clock: what a caller that waits sees; p50 and p99 of ``--steps``),
 ``events`` (CUDA events around one step, median: launch gaps included, no host wait) and
 ``graph`` (10 steps captured in one CUDA graph, replayed; median per step: the device's own
-time, no host in the loop). The target of issue #8: channel p50 within 25 us of in-process.
+time, no host in the loop, steps back to back) and ``graph_single`` (one step captured, each
+replay timed alone after a synchronisation: one step's device latency). The target of issue
+#8: channel p50 within 25 us of in-process.
+
+``service_refused_step``: the service side of a refused step alone, in this process (the channel
+worker's host time per step and the device time of such steps back to back), to tell what in a
+round trip is the worker's.
 
 Writes ``bench/results/2026-11-30-h200-channel.json`` (or ``--out``).
 Usage: ``python bench/bench_channel.py [--out PATH] [--steps N]``.
@@ -113,7 +119,9 @@ def _events_us(step: Callable[[], object], steps: int) -> float:
     return round(statistics.median(times), 1)
 
 
-def _graph_us(step: Callable[[], object], per_graph: int = 10) -> dict[str, Any]:
+def _graph_us(step: Callable[[], object], per_graph: int, key: str) -> dict[str, Any]:
+    """``per_graph`` steps captured in one CUDA graph; the median over 20 replays (each timed
+    alone, after a synchronisation) of the device time per step."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -122,7 +130,7 @@ def _graph_us(step: Callable[[], object], per_graph: int = 10) -> dict[str, Any]
             for _ in range(per_graph):
                 step()
     except Exception as err:  # recorded: one failed capture must not lose the run
-        return {"graph": None, "graph_error": f"{type(err).__name__}: {str(err)[:300]}"}
+        return {key: None, f"{key}_error": f"{type(err).__name__}: {str(err)[:300]}"}
     torch.cuda.current_stream().wait_stream(stream)
     for _ in range(3):
         graph.replay()
@@ -135,13 +143,16 @@ def _graph_us(step: Callable[[], object], per_graph: int = 10) -> dict[str, Any]
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / per_graph)
-    return {"graph": round(statistics.median(times), 1)}
+    return {key: round(statistics.median(times), 1)}
 
 
 def _measure(step: Callable[[], object], steps: int, *, graph: bool = True) -> dict[str, Any]:
     result: dict[str, Any] = {"host": _host_us(step, steps), "events": _events_us(step, steps)}
     if graph:
-        result.update(_graph_us(step))
+        # Back to back (10 steps a replay: throughput, the service must keep up) and one step a
+        # replay (latency: the service side had time to queue its next steps).
+        result.update(_graph_us(step, 10, "graph"))
+        result.update(_graph_us(step, 1, "graph_single"))
     return result
 
 
@@ -242,11 +253,76 @@ def _bench_batch(address: str, batch: int, steps: int) -> dict[str, Any]:
         "host_p50": round(p50["channel"] - p50["in_process"], 1),
         "events": round(out["channel"]["events"] - out["in_process"]["events"], 1),
     }
-    if out["channel"].get("graph") is not None and out["in_process"].get("graph") is not None:
-        out["channel_minus_in_process_us"]["graph"] = round(
-            out["channel"]["graph"] - out["in_process"]["graph"], 1
-        )
+    for key in ("graph", "graph_single"):
+        if out["channel"].get(key) is not None and out["in_process"].get(key) is not None:
+            out["channel_minus_in_process_us"][key] = round(
+                out["channel"][key] - out["in_process"][key], 1
+            )
     return out
+
+
+def _service_step_cost(batch: int, steps: int = 50) -> dict[str, float]:
+    """The service side of one refused step, alone in this process (no second process, no
+    doorbell wait that blocks): ``ChannelDevice.enqueue_step`` as the channel worker calls it
+    (a doorbell wait already satisfied, resolve, the op's kernels, which exit at once, finish).
+
+    ``enqueue_host_us``: the worker's host time per step (Python launches), which bounds how
+    fast back-to-back steps can follow one another (the worker refills its queue one step per
+    finished step); ``device_us``: the device time per step of ``steps`` such steps queued
+    behind a gate and released at once (no host in the loop).
+    """
+    from ddtree.kernels.channel import (
+        DOORBELL_OFFSET,
+        ChannelOp,
+        ChannelShape,
+        control_block_bytes,
+    )
+    from ddtree.kernels.channel_cuda import ChannelDevice, create_stream, write_values
+
+    device = torch.device("cuda", 0)
+    shape = ChannelShape(ChannelOp.BUILD_TREE, batch, DRAFT_LEN, BUDGET, VOCAB, logit_code=1)
+    ring_size = 2
+    # A zeroed ring: every descriptor has op 0 (BAD_OP). The doorbell is raised far ahead.
+    control = torch.zeros(control_block_bytes(ring_size) + 64, dtype=torch.uint8, device=device)
+    control[DOORBELL_OFFSET : DOORBELL_OFFSET + 8].view(torch.int64).fill_(1 << 30)
+    gate = control[-64:].view(torch.int32)  # [16]; word 0 holds the queued steps back
+    service = ChannelDevice(
+        shape, control[:-64], ring_size, [(control.data_ptr(), control.numel())], 8, device
+    )
+    stream = torch.cuda.ExternalStream(create_stream(0), device=device)
+    step = 0
+    with torch.cuda.stream(stream):
+        for _ in range(20):
+            step += 1
+            service.enqueue_step(step)
+        stream.synchronize()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step += 1
+            service.enqueue_step(step)
+        host_us = (time.perf_counter() - started) * 1e6 / steps
+        stream.synchronize()
+        from cuda.bindings import driver
+
+        (err,) = driver.cuStreamWaitValue32(
+            driver.CUstream(stream.cuda_stream),
+            driver.CUdeviceptr(gate.data_ptr()),
+            1,
+            driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+        )
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step += 1
+            service.enqueue_step(step)
+        end.record()
+    write_values(0, [(gate.data_ptr(), 1, 32)])
+    end.synchronize()
+    return {
+        "enqueue_host_us": round(host_us, 1),
+        "device_us": round(start.elapsed_time(end) * 1e3 / steps, 1),
+    }
 
 
 def _kernel_attributes(batch: int) -> dict[str, Any]:
@@ -254,17 +330,7 @@ def _kernel_attributes(batch: int) -> dict[str, Any]:
     channel wrappers (same source, same variant macros: the numbers should agree)."""
     from ddtree.kernels import jit, tree_cuda
 
-    plan = tree_cuda.build_tree_plan(
-        batch,
-        DRAFT_LEN,
-        VOCAB,
-        BUDGET,
-        element_size=2,
-        num_sms=tree_cuda._num_sms(0),
-        max_smem_bytes=tree_cuda._max_smem(0),
-        unroll=tree_cuda._TOPK_UNROLL,
-        min_blocks=tree_cuda._TOPK_MIN_BLOCKS,
-    )
+    plan = tree_cuda.device_build_tree_plan(batch, DRAFT_LEN, VOCAB, BUDGET, 2, 0)
     base = {
         "DDTREE_DTYPE": 1,
         "TOPK_WARPS": plan.warps,
@@ -292,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--label", default="", help="recorded in the JSON (for example 'mps' for a run under MPS)"
+    )
     args = parser.parse_args(argv)
     torch.cuda.init()
     results: dict[str, Any] = {
@@ -299,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "shape": {"draft_len": DRAFT_LEN, "vocab_size": VOCAB, "budget": BUDGET, "dtype": "bf16"},
         "steps": args.steps,
+        "label": args.label,
         "units": "microseconds per step (build_tree + accept)",
         "batches": [],
     }
@@ -307,6 +377,13 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # recorded, not fatal
         results["kernels_batch_32"] = {"error": f"{type(err).__name__}: {err}"[:500]}
     print(json.dumps(results["kernels_batch_32"]))
+    results["service_refused_step"] = {}
+    for batch in BATCHES:
+        try:
+            results["service_refused_step"][str(batch)] = _service_step_cost(batch)
+        except Exception as err:  # recorded, not fatal
+            results["service_refused_step"][str(batch)] = {"error": f"{type(err).__name__}: {err}"}
+    print(f"service side of a refused step, alone: {results['service_refused_step']}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         server = _start_server(str(Path(tmp) / "ddtree.sock"))
         try:
@@ -336,9 +413,18 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"batch {entry['batch_size']:>2} {path:<10} host p50 {m['host']['p50']:>8} us  "
                 f"p99 {m['host']['p99']:>8} us  events {m['events']:>8} us  "
-                f"graph {m.get('graph')} us"
+                f"graph {m.get('graph')} us  single {m.get('graph_single')} us"
             )
         print(f"  channel - in_process: {entry['channel_minus_in_process_us']}")
+        for name, m in (
+            ("build in_process", entry["build_only"]["in_process"]),
+            ("build channel", entry["build_only"]["channel"]),
+            ("refused step", entry["round_trip_refused_step"]),
+        ):
+            print(
+                f"  {name:<16} host p50 {m['host']['p50']:>8} us  events {m['events']:>8} us  "
+                f"graph {m.get('graph')} us  single {m.get('graph_single')} us"
+            )
 
 
 if __name__ == "__main__":
