@@ -7,8 +7,13 @@
 
 All three return ``ddtree.kernels.types.Tree`` / ``Acceptance`` and raise
 ``ddtree.clients.errors`` exceptions.
+
+- ``Channel``: a GPU doorbell channel to a server on the same node (``ddtree.clients.channel``,
+  docs/channel.md): build_tree / accept steps with no RPC and no host synchronisation per step;
+  needs the ``cuda`` extra when opened.
 """
 
+from ddtree.clients.channel import Channel
 from ddtree.clients.embedded import EmbeddedClient
 from ddtree.clients.errors import DDTreeClientError
 from ddtree.clients.remote import AsyncClient, Client, RetryPolicy, TlsOptions
@@ -16,6 +21,7 @@ from ddtree.clients.types import DeviceInfo, KvCommit, MemoryRegion, ServerInfo,
 
 __all__ = [
     "AsyncClient",
+    "Channel",
     "Client",
     "DDTreeClientError",
     "DeviceInfo",

@@ -14,11 +14,13 @@ ordering needed), and every tensor a step names must lie inside the memory the c
 opened with. Outputs are the channel's own buffers by default (``Tree`` / ``Acceptance`` views,
 overwritten by the next step of the channel), or caller tensors given as ``out``.
 
-A watchdog thread keeps a ``WatchChannel`` stream open: when the service dies or drains without
-closing the channel, it marks the control block SERVICE_LOST and releases the caller's stream,
-so an inference server never hangs on a dead service; later steps complete at once with
-``StepStatus.SERVICE_LOST``. Read the outcome of steps with ``last_status`` (a host sync) or on
-the device from ``status`` and the error flags.
+A watchdog keeps a ``WatchChannel`` stream open and polls the control block: when the service
+dies (the stream breaks), or when a posted step has not completed within ``step_timeout_s``
+(a service that is connected but hung), it marks the control block SERVICE_LOST and releases
+the caller's stream, so an inference server never hangs on the service. Afterwards steps posted
+by a graph replay complete at once with ``StepStatus.SERVICE_LOST``, and ``build_tree`` /
+``accept`` / ``post`` raise ``ChannelLostError``. Read the outcome of steps with
+``last_status`` (a host sync) or on the device from ``status`` and the error flags.
 
 Needs the ``cuda`` extra (cuda-python); the channel kernels are compiled with NVRTC on first
 use (``ddtree.kernels.jit``; cached on disk).
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,7 @@ from ddtree.clients import _wire
 from ddtree.clients.cuda import Allocation, device_uuid, ipc_mem_handle, locate
 from ddtree.clients.errors import DDTreeClientError
 from ddtree.kernels.channel import (
+    COMPLETION_OFFSET,
     DONE_OFFSET,
     LAST_STATUS_OFFSET,
     STATE_OFFSET,
@@ -57,7 +61,7 @@ from ddtree.v1 import tensor_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 
-__all__ = ["Channel", "StepRecord"]
+__all__ = ["Channel", "ChannelLostError", "StepDeadline", "StepRecord"]
 
 _DTYPES = {
     torch.bfloat16: (tensor_pb2.DTYPE_BFLOAT16, 1),
@@ -67,6 +71,70 @@ _DTYPES = {
 
 
 _MAX_CACHED_DESCRIPTORS = 256
+_LOST_CLEANUP_TIMEOUT_S = 5.0
+"""Deadline of each control-plane call of ``close`` once the channel was lost (a service that
+hung may never answer)."""
+
+
+class ChannelLostError(DDTreeClientError):
+    """The channel's watchdog released it: the service is gone, or a posted step did not
+    complete within ``step_timeout_s``. Close the channel; use the RPCs or another replica.
+
+    ``code`` is ``"UNAVAILABLE"`` (reason ``CHANNEL_SERVICE_LOST``) or ``"DEADLINE_EXCEEDED"``
+    (reason ``CHANNEL_STEP_TIMEOUT``).
+    """
+
+
+class StepDeadline:
+    """When is a posted step overdue? The watchdog's bookkeeping (pure; no CUDA).
+
+    Fed with the control block's ``doorbell`` (steps posted) and ``completion`` (last step
+    finished) at each poll, it times the oldest outstanding step, ``completion + 1``, from the
+    first poll that saw it posted; progress restarts the clock.
+
+    Parameters
+    ----------
+    timeout_s : float
+        A step still outstanding this long after it was first seen posted is overdue; ``> 0``.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"step_timeout_s: expected > 0 or None, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self._step: int | None = None
+        self._since = 0.0
+
+    def observe(self, words: tuple[int, int] | None, now: float) -> int | None:
+        """Record one poll; returns the overdue step, or ``None``.
+
+        Parameters
+        ----------
+        words : (int, int) or None
+            ``(doorbell, completion)`` as read, or ``None`` when the read did not complete
+            (the read queues behind the caller's stream: taken as no progress).
+        now : float
+            ``time.monotonic()`` of the poll.
+        """
+        if words is None:
+            if self._step is None:
+                self._step, self._since = -1, now  # unknown step, but something is held up
+            return self._overdue(now)
+        doorbell, completion = words
+        if doorbell <= completion:
+            self._step = None
+            return None
+        oldest = completion + 1
+        if self._step != oldest:
+            if self._step != -1:
+                self._since = now
+            self._step = oldest
+        return self._overdue(now)
+
+    def _overdue(self, now: float) -> int | None:
+        if self._step is not None and now - self._since >= self.timeout_s:
+            return self._step
+        return None
 
 
 @dataclass(frozen=True)
@@ -140,6 +208,11 @@ class Channel:
         Metrics label.
     timeout_s : float
         Deadline of the control-plane calls.
+    step_timeout_s : float or None
+        A posted step that has not completed this long after the watchdog first saw it posted
+        releases the caller's stream (status ``SERVICE_LOST``) and makes later host calls
+        raise ``ChannelLostError`` (a service that is connected but hung). ``None``: no step
+        deadline (a service whose connection breaks is still detected).
     client_id : str, optional
         Identity of the registrations (ListMemory).
 
@@ -175,6 +248,7 @@ class Channel:
         use_memop_wait: bool = True,
         model: str = "",
         timeout_s: float = 60.0,
+        step_timeout_s: float | None = 10.0,
         client_id: str | None = None,
     ) -> None:
         if op not in ("build_tree", "accept"):
@@ -199,11 +273,17 @@ class Channel:
             if t.device.type == "cuda":
                 self.device = t.device
                 break
+        deadline = StepDeadline(step_timeout_s) if step_timeout_s is not None else None
         self._descriptors: dict[Any, bytes] = {}
         self._closing = False
         self._lost = threading.Event()
+        self._lost_error: ChannelLostError | None = None
+        self._server_closed = False
+        self._release_lock = threading.Lock()
+        self._stop = threading.Event()
         self.closed_reason: str | None = None
-        """Why the server closed the channel (its WatchChannel message), or None."""
+        """Why the channel closed: the server's WatchChannel reason (``"shutdown"``,
+        ``"close_channel"``, ...), or the watchdog's (``"service_lost"``, ``"step_timeout"``)."""
 
         n = 1 + max_budget
         b = max_batch_size
@@ -298,6 +378,15 @@ class Channel:
         )
         self._watcher.start()
         self._watch_open.wait(timeout_s)
+        self._poller: threading.Thread | None = None
+        if deadline is not None:
+            self._poller = threading.Thread(
+                target=self._poll_steps,
+                args=(deadline,),
+                name="ddtree-channel-deadline",
+                daemon=True,
+            )
+            self._poller.start()
 
     # ------------------------------------------------------------------ control plane
 
@@ -352,31 +441,109 @@ class Channel:
                     reason = message.reason or "closed"
                     self._watch_open.set()
                     if reason.startswith("failed") and not self._closing:
-                        self._release(reason)
-                    self.closed_reason = reason
+                        self._release(
+                            reason,
+                            ChannelLostError(
+                                "UNAVAILABLE",
+                                f"the service failed the channel ({reason}); the caller's "
+                                "stream was released. Close the channel; use the RPCs or "
+                                "another replica",
+                                reason="CHANNEL_SERVICE_LOST",
+                            ),
+                        )
+                    self._server_closed = True
+                    self.closed_reason = self.closed_reason or reason
                     return
         except grpc.RpcError:
             pass
         finally:
             self._watch_open.set()
         if not self._closing:
-            self._release("service_lost")
+            self._release(
+                "service_lost",
+                ChannelLostError(
+                    "UNAVAILABLE",
+                    "the service's connection broke (the service died or was stopped); the "
+                    "caller's stream was released and the channel's steps complete with "
+                    "SERVICE_LOST. Close the channel; use the RPCs or another replica",
+                    reason="CHANNEL_SERVICE_LOST",
+                ),
+            )
 
-    def _release(self, reason: str) -> None:
-        """Mark the control block SERVICE_LOST and complete any outstanding step (watchdog)."""
+    def _poll_steps(self, deadline: StepDeadline) -> None:
+        """Watchdog of step deadlines: release the caller's stream when a posted step is not
+        completed in time (a service connected but hung: its stream breaks never)."""
+        from ddtree.kernels.channel_cuda import ControlReader
+
+        reader = ControlReader(self.control)
+        poll_s = min(0.1, deadline.timeout_s / 10)
+        try:
+            while not self._stop.wait(poll_s):
+                if self._lost.is_set():
+                    self._rerelease(reader.read(poll_s))
+                    continue
+                if self.closed_reason is not None:
+                    return
+                head = reader.read(poll_s)
+                if head is not None and head[3] != ChannelState.OPEN:
+                    continue  # closed: posts complete at once, nothing is outstanding
+                overdue = deadline.observe(None if head is None else head[:2], time.monotonic())
+                if overdue is None:
+                    continue
+                step = "a posted step" if overdue < 0 else f"step {overdue}"
+                self._release(
+                    "step_timeout",
+                    ChannelLostError(
+                        "DEADLINE_EXCEEDED",
+                        f"{step} did not complete within step_timeout_s={deadline.timeout_s:g} "
+                        "s while the service stayed connected (hung or stalled); the caller's "
+                        "stream was released with status SERVICE_LOST. Close the channel (steps "
+                        "posted before may still write their outputs until close() returns); "
+                        "use the RPCs or another replica",
+                        reason="CHANNEL_STEP_TIMEOUT",
+                    ),
+                    completion=head[0] if head is not None else None,
+                )
+        finally:
+            reader.close()
+
+    def _rerelease(self, head: tuple[int, int, int, int] | None) -> None:
+        """A post whose kernel read the state OPEN just before the release wrote SERVICE_LOST
+        writes ``done = 0`` after the release's ``done = 1``: release that wait again."""
         from ddtree.kernels.channel_cuda import write_values
 
-        self.closed_reason = reason
-        ctrl = self.control.data_ptr()
-        write_values(
-            self.device.index or 0,
-            [
+        if head is not None and head[2] == 0 and head[3] == ChannelState.SERVICE_LOST:
+            ctrl = self.control.data_ptr()
+            write_values(
+                self.device.index or 0,
+                [
+                    (ctrl + LAST_STATUS_OFFSET, int(StepStatus.SERVICE_LOST), 32),
+                    (ctrl + DONE_OFFSET, 1, 32),
+                ],
+            )
+
+    def _release(self, reason: str, error: ChannelLostError, completion: int | None = None) -> None:
+        """Mark the control block SERVICE_LOST and complete any outstanding step (watchdog).
+
+        ``completion``: also raise the completion word to it (the doorbell last read), for
+        callers that wait on ``completion >= k``. Once per channel."""
+        from ddtree.kernels.channel_cuda import write_values
+
+        with self._release_lock:
+            if self._lost.is_set():
+                return
+            self.closed_reason = reason
+            self._lost_error = error
+            ctrl = self.control.data_ptr()
+            writes = [
                 (ctrl + STATE_OFFSET, int(ChannelState.SERVICE_LOST), 32),
                 (ctrl + LAST_STATUS_OFFSET, int(StepStatus.SERVICE_LOST), 32),
-                (ctrl + DONE_OFFSET, 1, 32),
-            ],
-        )
-        self._lost.set()
+            ]
+            if completion is not None:
+                writes.append((ctrl + COMPLETION_OFFSET, completion, 64))
+            writes.append((ctrl + DONE_OFFSET, 1, 32))
+            write_values(self.device.index or 0, writes)
+            self._lost.set()
 
     @property
     def is_open(self) -> bool:
@@ -384,16 +551,24 @@ class Channel:
         return self.closed_reason is None and not self._closing
 
     def wait_lost(self, timeout_s: float) -> bool:
-        """Block until the watchdog released the channel (service lost); for tests and tools."""
+        """Block until the watchdog released the channel (service lost or a step overdue);
+        for tests and tools."""
         return self._lost.wait(timeout_s)
 
     def close(self) -> None:
-        """Close the channel (its stream drains first), unregister its memory. Idempotent."""
+        """Close the channel (its stream drains first), unregister its memory. Idempotent.
+
+        After the watchdog released the channel, each control-plane call gets at most
+        5 s (a hung service may never answer) and failures are ignored."""
         if self._closing:
             return
         self._closing = True
-        if self.closed_reason is None:
-            # Closed or gone already: nothing of ours is in flight on its side.
+        self._stop.set()
+        if self._lost.is_set():
+            self.timeout_s = min(self.timeout_s, _LOST_CLEANUP_TIMEOUT_S)
+        if not self._server_closed and self.closed_reason != "service_lost":
+            # The server closed it already or is gone: nothing of ours is in flight there.
+            # After a step timeout the server still holds it: closing drains its stream.
             with contextlib.suppress(DDTreeClientError):
                 self._call(
                     self._stub.CloseChannel, pb.CloseChannelRequest(channel_token=self.token)
@@ -401,6 +576,8 @@ class Channel:
         self._unregister_all()
         self._rpc.close()
         self._watcher.join(self.timeout_s)
+        if self._poller is not None:
+            self._poller.join(self.timeout_s)
 
     def __enter__(self) -> Channel:
         return self
@@ -427,11 +604,20 @@ class Channel:
         """Post a raw descriptor and make the current stream wait for its completion.
 
         ``build_tree`` and ``accept`` call this; it is public for protocol tests and tools.
+
+        Raises
+        ------
+        ChannelLostError
+            The watchdog released the channel (the service is gone, or a step was overdue).
         """
         self._post_bytes(pack_descriptor(descriptor))
 
     def _post_bytes(self, data: bytes) -> None:
         from ddtree.kernels.channel_cuda import post_step, wait_step
+
+        lost = self._lost_error
+        if lost is not None:
+            raise ChannelLostError(lost.code, lost.message, reason=lost.reason)
 
         with torch.cuda.device(self.device):
             post_step(self.control, self.ring_size, data)

@@ -25,11 +25,13 @@
 //   ddtree_channel_wait     caller stream, grid 1, block 1: spins (with nanosleep) until done == 1;
 //                           the alternative to cuStreamWaitValue32 where stream memory operations
 //                           are not available.
-//   ddtree_channel_resolve  service stream after cuStreamWaitValue64(doorbell >= k); grid 1, block
+//   ddtree_channel_resolve  service stream after cuStreamWaitValue32(doorbell >= k); grid 1, block
 //                           RESOLVE_THREADS. Reads descriptor k once, validates every field and
 //                           every reference against the region table (base, size) recorded at
-//                           OpenChannel, and writes the args block; on any failure the args block
-//                           says status != 0 and the op kernels do nothing.
+//                           OpenChannel, and writes the args block; on any failure (or once the
+//                           channel is closing, or the caller's watchdog marked the block
+//                           SERVICE_LOST) the args block says status != 0 and the op kernels do
+//                           nothing.
 //   ddtree_channel_finish   service stream after the op kernels; grid 1, block FINISH_THREADS.
 //                           Writes completion = k, then done = 1 (caller memory), then the step's
 //                           small results into a pinned host slot for metrics (off the caller's
@@ -271,6 +273,10 @@ extern "C" __global__ void __launch_bounds__(RESOLVE_THREADS) ddtree_channel_res
     const bool clear_alone = (flags & DDTREE_DF_CLEAR_FLAGS) && !(flags & DDTREE_DF_ERROR_FLAGS);
     if (*(const volatile int32_t*)cancel) {
       st = DDTREE_ST_CLOSED;
+    } else if (*(const volatile uint32_t*)(ctrl + DDTREE_CH_STATE) == DDTREE_CH_STATE_LOST) {
+      // The caller's watchdog gave up on this service (a step overdue) and released its
+      // stream: a step posted before that, reached only now, must not write the caller's memory.
+      st = DDTREE_ST_SERVICE_LOST;
     } else if (op != (uint32_t)c.op) {
       st = DDTREE_ST_BAD_OP;
     } else if (b < 1 || b > c.max_batch) {

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "ARGS_BYTES",
     "RESULT_HEADER_INTS",
     "ChannelDevice",
+    "ControlReader",
     "create_stream",
     "post_step",
     "result_slot_ints",
@@ -180,6 +182,70 @@ def write_values(
     finally:
         if own:
             driver.cuStreamDestroy(handle)
+
+
+class ControlReader:
+    """Reads the head of a control block from the host without waiting for any other stream.
+
+    An asynchronous copy of the block's first 24 bytes (doorbell, completion, done, state) on a
+    stream of its own into pinned memory: the caller's watchdog polls with it while the caller's
+    stream may be blocked on a step's wait.
+
+    Parameters
+    ----------
+    control : torch.Tensor
+        The control block, uint8, CUDA (the caller's own memory).
+    """
+
+    def __init__(self, control: torch.Tensor) -> None:
+        self._index = control.device.index or 0
+        self._address = control.data_ptr()
+        self._host = torch.zeros(3, dtype=torch.int64, pin_memory=True)  # [3]
+        self._stream = create_stream(self._index)
+        self._pending = False
+
+    def read(self, timeout_s: float) -> tuple[int, int, int, int] | None:
+        """``(doorbell, completion, done, state)``, or ``None`` when the copy did not finish
+        within ``timeout_s`` (its stream is held up; the next read waits for the same copy).
+
+        Raises
+        ------
+        ddtree.kernels.jit.CudaError
+            The copy could not be queued, or its stream failed.
+        """
+        from cuda.bindings import driver
+
+        jit._make_current(self._index)
+        stream = driver.CUstream(self._stream)
+        if not self._pending:
+            (err,) = driver.cuMemcpyDtoHAsync(
+                self._host.data_ptr(), driver.CUdeviceptr(self._address), 24, stream
+            )
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise jit.CudaError("cuMemcpyDtoHAsync of a control block", result_name=err.name)
+            self._pending = True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            (err,) = driver.cuStreamQuery(stream)
+            if err == driver.CUresult.CUDA_SUCCESS:
+                break
+            if err != driver.CUresult.CUDA_ERROR_NOT_READY:
+                raise jit.CudaError("cuStreamQuery of a control-block read", result_name=err.name)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(1e-3)
+        self._pending = False
+        doorbell, completion, words = self._host.tolist()
+        return doorbell, completion, words & 0xFFFFFFFF, (words >> 32) & 0xFFFFFFFF
+
+    def close(self) -> None:
+        """Destroy the reader's stream (a copy still queued completes first). Idempotent."""
+        if self._stream:
+            from cuda.bindings import driver
+
+            jit._make_current(self._index)
+            driver.cuStreamDestroy(driver.CUstream(self._stream))
+            self._stream = 0
 
 
 def _config_words(shape: ChannelShape, num_regions: int) -> list[int]:

@@ -31,8 +31,9 @@ from helpers.ipc import ServerProcess
 
 from ddtree import kernels
 from ddtree.clients import Client, KvCommit
-from ddtree.clients.channel import Channel
+from ddtree.clients.channel import Channel, ChannelLostError
 from ddtree.kernels import channel as ch
+from ddtree.kernels import channel_cuda
 from ddtree.kernels.channel import (
     ChannelOp,
     ChannelShape,
@@ -54,6 +55,8 @@ PAGE_SIZE = 16
 MAX_PAGES = 4
 RELEASE_BOUND_S = 5.0
 """The caller's stream is released within this long after the service dies (docs/channel.md)."""
+STEP_TIMEOUT_S = 1.0
+"""The step deadline of the hung-service test; released within it plus RELEASE_BOUND_S."""
 TREE_FIELDS = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
 
 
@@ -515,7 +518,7 @@ def _release_or_fail(channel: Channel, started: float) -> float:
     stream = torch.cuda.current_stream()
     while not stream.query():
         if time.monotonic() - started > 2 * RELEASE_BOUND_S:
-            channel._release("test")
+            channel._release("test", ChannelLostError("UNKNOWN", "released by the test"))
             stream.synchronize()
             pytest.fail("the caller's stream was not released")
         time.sleep(1e-3)
@@ -568,10 +571,75 @@ def test_service_killed_releases_the_callers_stream(tmp_path: Path, cache_dir: P
         released_s = _release_or_fail(build, started)
         assert released_s < RELEASE_BOUND_S
         assert build.last_status().status == StepStatus.SERVICE_LOST
-        build.build_tree(logits, roots, BUDGET)
-        assert build.last_status().status == StepStatus.SERVICE_LOST
-        assert not build.is_open
+        assert build.closed_reason == "service_lost"
+        _assert_lost_afterwards(build, logits, roots, "CHANNEL_SERVICE_LOST")
         build.close()
+    finally:
+        process.stop()
+
+
+def _assert_lost_afterwards(
+    channel: Channel, logits: torch.Tensor, roots: torch.Tensor, reason: str
+) -> None:
+    """Host calls raise; a post that bypasses the host check (as a graph replay does) completes
+    at once with SERVICE_LOST."""
+    assert not channel.is_open
+    with pytest.raises(ChannelLostError) as raised:
+        channel.build_tree(logits, roots, BUDGET)
+    assert raised.value.reason == reason
+    descriptor = ch.pack_descriptor(StepDescriptor(op=ChannelOp.BUILD_TREE, batch_size=1))
+    channel_cuda.post_step(channel.control, channel.ring_size, descriptor)
+    channel_cuda.wait_step(channel.control)
+    assert channel.last_status().status == StepStatus.SERVICE_LOST
+
+
+def test_hung_service_releases_the_callers_stream_at_the_step_deadline(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """The service (server and worker) stopped but connected: no WatchChannel break. A posted
+    step that does not complete within step_timeout_s is released by the watchdog
+    (SERVICE_LOST, reason step_timeout) and later host calls raise; the service, resumed,
+    closes the channel and goes on serving."""
+    process = ServerProcess(tmp_path / "hung.sock")
+    try:
+        process.wait_serving()
+        bufs = Buffers(10)
+        build = _open_build(process.address, bufs, step_timeout_s=STEP_TIMEOUT_S)
+        logits, roots = bufs.fill_draft(2)
+        for _ in range(5):
+            build.build_tree(logits, roots, BUDGET)
+        torch.cuda.synchronize()
+        time.sleep(0.3)  # the worker tops its queue up
+        pids = [process.process.pid, *_children(process.process.pid)]
+        assert len(pids) == 2, pids
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            for _ in range(build.pipeline_depth + 2):
+                build.build_tree(logits, roots, BUDGET)
+            assert build.wait_lost(STEP_TIMEOUT_S + RELEASE_BOUND_S), "not released"
+            released_s = _release_or_fail(build, started)
+            assert released_s < STEP_TIMEOUT_S + RELEASE_BOUND_S
+            assert build.closed_reason == "step_timeout"
+            assert build.last_status().status == StepStatus.SERVICE_LOST
+            _assert_lost_afterwards(build, logits, roots, "CHANNEL_STEP_TIMEOUT")
+            views = build._arena.views
+            for name in TREE_FIELDS:
+                views[name].fill_(-7)
+            snapshot = {name: views[name].clone() for name in TREE_FIELDS}
+            torch.cuda.synchronize()
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        # The resumed worker reaches the overdue step only now: its resolve sees the block
+        # marked SERVICE_LOST and runs nothing; closing drains the rest.
+        build.close()
+        process.log.wait_for("reason=close_channel", timeout_s=30)
+        for name in TREE_FIELDS:
+            assert torch.equal(views[name], snapshot[name]), f"{name} written after the release"
+        with Client(process.address, default_timeout_s=60.0) as client:
+            assert client.health() == "SERVING"
     finally:
         process.stop()
 
@@ -603,7 +671,7 @@ def test_service_drain_closes_the_channel(tmp_path: Path, cache_dir: Path) -> No
 
 _CALLER = """
 import os, torch
-from ddtree.clients.channel import Channel
+from ddtree.clients.channel import Channel, ChannelLostError
 logits = (torch.randn(2, {draft_len}, {vocab}, device="cuda") * 3).to(torch.bfloat16)
 roots = torch.zeros(2, dtype=torch.int64, device="cuda")
 channel = Channel({address!r}, op="build_tree", max_batch_size=2, draft_len={draft_len},
