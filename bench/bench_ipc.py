@@ -35,9 +35,16 @@ loop instead of the device worker.
 ``--profile DIR`` then profiles serial BuildTree by reference at batch 32 (Unix socket):
 cProfile of the server's event-loop thread (switched on and off by signals around the profiled
 calls only) and of this caller, written to DIR as text summaries.
+``--transports unix`` measures over the Unix socket only (shorter runs).
+
+``--serial-only LABEL`` measures just the serial calls by reference over a Unix socket (the
+floor, BuildTree batch 32, AcceptTree batch 32), interleaved in blocks of 25 so that drift hits
+each kind alike, and appends one JSON line tagged ``LABEL`` to ``--out``: an A/B of two builds
+of ddtree in one run, the build being whichever ``ddtree`` this interpreter imports (for
+example ``PYTHONPATH=<copy of an older tree>`` for A; the server subprocess inherits it).
 
 Usage: ``python bench/bench_ipc.py [--out PATH] [--quick] [--cpu] [--inline-ops on|off]
-[--profile DIR]``.
+[--profile DIR] [--transports unix,tcp] [--serial-only LABEL]``.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ from typing import Any
 import grpc
 import torch
 
+import ddtree
 from ddtree import kernels
 from ddtree.clients import Client
 from ddtree.clients.cuda import ClientIpc, device_uuid
@@ -284,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu", action="store_true", help="service overhead on the CPU")
     parser.add_argument("--inline-ops", choices=("on", "off"), default=None, help="force it")
     parser.add_argument("--profile", type=Path, default=None, help="cProfile dumps here (GPU)")
+    parser.add_argument("--transports", default="unix,tcp", help="unix, tcp or both (GPU)")
+    parser.add_argument("--serial-only", metavar="LABEL", default=None, help="A/B line (GPU)")
     args = parser.parse_args(argv)
     scale = 0.2 if args.quick else 1.0
 
@@ -294,6 +304,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu:
         _main_cpu(args.out, n, inline_ops=inline_ops)
         return
+    if args.serial_only is not None:
+        if args.out is None:
+            parser.error("--serial-only needs --out (the JSON-lines file to append to)")
+        _main_serial_only(args.serial_only, args.out, n(300))
+        return
+    transports = set(args.transports.split(","))
+    if not transports or not transports <= {"unix", "tcp"}:
+        parser.error(f"--transports: expected unix, tcp or unix,tcp, got {args.transports!r}")
 
     gpu = torch.cuda.get_device_name()
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower().replace("nvidia", "")).strip("-")
@@ -341,13 +359,16 @@ def main(argv: list[str] | None = None) -> None:
         server = _start_server(unix_path, port, inline_ops=inline_ops)
         try:
             for name, address in (("unix", f"unix:{unix_path}"), ("tcp", f"127.0.0.1:{port}")):
+                if name not in transports:
+                    continue
                 results["transports"][name] = _bench_transport(address, batch1, batch32, n)
                 _save(out, results)
         finally:
             server.terminate()
             server.wait(timeout=60)
-        results["target"] = _target(results)
-        _save(out, results)
+        if "unix" in results["transports"]:  # the target is defined over the Unix socket
+            results["target"] = _target(results)
+            _save(out, results)
         # The diagnostics below must not cost the measurements above if they fail.
         for key, idle_s in (
             ("in_process_stages_b32_ref_us", 0.0),
@@ -368,6 +389,65 @@ def main(argv: list[str] | None = None) -> None:
                 _save(out, results)
     json.dump(results, sys.stdout, indent=2)
     sys.stdout.write(f"\nwrote {out}\n")
+
+
+def _main_serial_only(label: str, out: Path, iters: int) -> None:
+    """Serial calls by reference over a Unix socket, interleaved in blocks; one JSON line."""
+    batch = _inputs(32)
+    latencies: dict[str, list[float]] = {"echo": [], "build_tree_b32_ref": []}
+    latencies["accept_tree_b32_ref"] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        unix_path = f"{tmp}/bench.sock"
+        started = time.monotonic()
+        server = _start_server(unix_path, _free_port())
+        start_s = time.monotonic() - started
+        try:
+            with (
+                grpc.insecure_channel(f"unix:{unix_path}") as channel,
+                Client(f"unix:{unix_path}", tensor_transport="ipc") as client,
+            ):
+                stub = pb_grpc.TreeSpeculationServiceStub(channel)
+                request = pb.GetServerInfoRequest()
+                logits, roots = batch["logits"], batch["roots"]
+                tree = client.build_tree(logits, roots, BUDGET)
+                targets = tree.tokens.clamp(min=0)
+                calls: dict[str, Callable[[], object]] = {
+                    "echo": lambda: stub.GetServerInfo(request, timeout=10),
+                    "build_tree_b32_ref": lambda: client.build_tree(logits, roots, BUDGET),
+                    "accept_tree_b32_ref": lambda: client.accept_tree(tree, targets),
+                }
+                for call in calls.values():
+                    for _ in range(20):
+                        call()
+                block = 25
+                for _ in range(max(1, iters // block)):
+                    for name, call in calls.items():
+                        for _ in range(block):
+                            begin = time.perf_counter()
+                            call()
+                            latencies[name].append(time.perf_counter() - begin)
+                again = client.build_tree(logits, roots, BUDGET)
+                same = all(
+                    torch.equal(getattr(again, name), getattr(tree, name))
+                    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
+                )
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    line: dict[str, Any] = {
+        "label": label,
+        "ddtree": str(Path(ddtree.__file__).parent),
+        "server_start_s": round(start_s, 1),
+        "build_tree_repeatable": same,
+    }
+    line.update({name: _stats(values) for name, values in latencies.items()})
+    line["build_tree_above_echo_ms"] = round(
+        line["build_tree_b32_ref"]["p50_ms"] - line["echo"]["p50_ms"], 4
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as stream:
+        stream.write(json.dumps(line) + "\n")
+    sys.stdout.write(json.dumps(line) + "\n")
 
 
 def _save(out: Path, results: dict[str, Any]) -> None:
@@ -484,7 +564,8 @@ def _stages(batch: dict[str, Any], iters: int, idle_s: float = 0.0) -> dict[str,
             t2 = time.perf_counter()
             tree = engine.build_tree(call, inline=True).result()
             t3 = time.perf_counter()
-            reply = pb.BuildTreeResponse(tree=convert.tree_refs_to_proto(request.outputs, tree))
+            reply = pb.BuildTreeResponse()  # as the servicer replies: filled in place
+            convert.tree_refs_to_proto(request.outputs, tree, reply.tree)
             reply_wire = reply.SerializeToString()
             t4 = time.perf_counter()
             op.finish(pb.BuildTreeResponse.FromString(reply_wire), use_outputs)
