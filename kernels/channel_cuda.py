@@ -16,11 +16,12 @@ largest batch from ``tree_cuda``'s planning functions.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "ControlReader",
     "create_stream",
     "post_step",
+    "relaxed_capture_mode",
     "result_slot_ints",
     "wait_step",
     "write_values",
@@ -141,6 +143,28 @@ def wait_step(control: torch.Tensor, *, use_memop: bool = True) -> None:
         raise jit.CudaError("cuStreamWaitValue32 on the channel's done word", result_name=err.name)
 
 
+@contextlib.contextmanager
+def relaxed_capture_mode() -> Iterator[None]:
+    """Run this thread's CUDA calls in the relaxed stream-capture mode, then restore its mode.
+
+    The caller's watchdog threads read and write the control block while the caller may be
+    capturing a CUDA graph; torch captures in the global mode, in which a potentially unsafe
+    call from any other thread (creating a stream, allocating pinned memory, ...) invalidates
+    that capture. Their streams are never captured, so relaxed is safe here.
+    """
+    from cuda.bindings import driver
+
+    err, previous = driver.cuThreadExchangeStreamCaptureMode(
+        driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    )
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise jit.CudaError("cuThreadExchangeStreamCaptureMode", result_name=err.name)
+    try:
+        yield
+    finally:
+        driver.cuThreadExchangeStreamCaptureMode(previous)
+
+
 def create_stream(device_index: int) -> int:
     """A new non-blocking CUDA stream of the device's primary context (raw handle).
 
@@ -164,24 +188,25 @@ def write_values(
 ) -> None:
     """Write ``(address, value, bits)`` words in order on ``stream`` (a raw handle; a new
     non-blocking stream when ``None``) and wait for them: control-plane writes (the watchdog,
-    closing a channel)."""
+    closing a channel). In the relaxed capture mode (``relaxed_capture_mode``)."""
     from cuda.bindings import driver
 
-    jit._make_current(device_index)
     own = stream is None
-    handle = driver.CUstream(create_stream(device_index) if own else stream)
-    try:
-        for address, value, bits in writes:
-            write = driver.cuStreamWriteValue64 if bits == 64 else driver.cuStreamWriteValue32
-            (err,) = write(handle, driver.CUdeviceptr(address), value, 0)
+    with relaxed_capture_mode():
+        jit._make_current(device_index)
+        handle = driver.CUstream(create_stream(device_index) if own else stream)
+        try:
+            for address, value, bits in writes:
+                write = driver.cuStreamWriteValue64 if bits == 64 else driver.cuStreamWriteValue32
+                (err,) = write(handle, driver.CUdeviceptr(address), value, 0)
+                if err != driver.CUresult.CUDA_SUCCESS:
+                    raise jit.CudaError("cuStreamWriteValue on a channel", result_name=err.name)
+            (err,) = driver.cuStreamSynchronize(handle)
             if err != driver.CUresult.CUDA_SUCCESS:
-                raise jit.CudaError("cuStreamWriteValue on a channel", result_name=err.name)
-        (err,) = driver.cuStreamSynchronize(handle)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise jit.CudaError("cuStreamSynchronize of channel writes", result_name=err.name)
-    finally:
-        if own:
-            driver.cuStreamDestroy(handle)
+                raise jit.CudaError("cuStreamSynchronize of channel writes", result_name=err.name)
+        finally:
+            if own:
+                driver.cuStreamDestroy(handle)
 
 
 class ControlReader:
@@ -200,8 +225,9 @@ class ControlReader:
     def __init__(self, control: torch.Tensor) -> None:
         self._index = control.device.index or 0
         self._address = control.data_ptr()
-        self._host = torch.zeros(3, dtype=torch.int64, pin_memory=True)  # [3]
-        self._stream = create_stream(self._index)
+        with relaxed_capture_mode():
+            self._host = torch.zeros(3, dtype=torch.int64, pin_memory=True)  # [3]
+            self._stream = create_stream(self._index)
         self._pending = False
 
     def read(self, timeout_s: float) -> tuple[int, int, int, int] | None:
@@ -215,7 +241,11 @@ class ControlReader:
         """
         from cuda.bindings import driver
 
-        jit._make_current(self._index)
+        with relaxed_capture_mode():
+            jit._make_current(self._index)
+            return self._read(driver, timeout_s)
+
+    def _read(self, driver: Any, timeout_s: float) -> tuple[int, int, int, int] | None:
         stream = driver.CUstream(self._stream)
         if not self._pending:
             (err,) = driver.cuMemcpyDtoHAsync(
@@ -243,8 +273,9 @@ class ControlReader:
         if self._stream:
             from cuda.bindings import driver
 
-            jit._make_current(self._index)
-            driver.cuStreamDestroy(driver.CUstream(self._stream))
+            with relaxed_capture_mode():
+                jit._make_current(self._index)
+                driver.cuStreamDestroy(driver.CUstream(self._stream))
             self._stream = 0
 
 
