@@ -497,9 +497,9 @@ class Channel:
                         "DEADLINE_EXCEEDED",
                         f"{step} did not complete within step_timeout_s={deadline.timeout_s:g} "
                         "s while the service stayed connected (hung or stalled); the caller's "
-                        "stream was released with status SERVICE_LOST. Close the channel (steps "
-                        "posted before may still write their outputs until close() returns); "
-                        "use the RPCs or another replica",
+                        "stream was released with status SERVICE_LOST. Close the channel (a "
+                        "step the service had already started may still write its outputs "
+                        "until close() returns); use the RPCs or another replica",
                         reason="CHANNEL_STEP_TIMEOUT",
                     ),
                     completion=head[0] if head is not None else None,
