@@ -13,8 +13,10 @@
 //    the warp's buffer of `cap` composites; when a vector's candidates might not fit, the warp
 //    keeps the K largest of its buffer (a warp radix select) and raises the block threshold to the
 //    smallest of them (a lower bound of the row's K-th largest entry: the warp saw K entries at or
-//    above it). For K <= 32 * UNROLL the first threshold is the smallest of the warp's first-step
-//    vector maxima. On random logits only O(K log(V / K)) entries ever pass. At the end every warp
+//    above it). When every warp of the block has a whole first step, the first threshold is the
+//    smallest over the warps of each warp's j-th largest first-step vector maximum, j = ceil(K /
+//    TOPK_WARPS) <= 32 * UNROLL: the warps hold j distinct entries each at or above it, K in all.
+//    On random logits only O(K log(V / K)) entries ever pass. At the end every warp
 //    writes its statistics and its candidates at or above the final threshold (a superset of its
 //    share of the row's top K), padded with composite 0, as one "part" of the row.
 // 2. ddtree_build_merge  grid (rows), block MERGE_THREADS, dynamic shared memory
@@ -24,13 +26,16 @@
 //    possible ones.
 // 3. ddtree_build_select  grid (batch_size), block SELECT_THREADS; warp 0 runs the best-first
 //    selection of one request, then the whole block writes the nodes and ancestor masks. The
-//    frontier (at most budget + 1 candidates) lives in shared memory, slot s owned by lane s % 32,
-//    which keeps the best of its slots in registers. A pop is one warp max-reduction of the lanes'
-//    best keys (order_key of the score); exact score ties compare rank tuples lexicographically,
-//    read from a packed table of every popped node's tuple (16 bits per depth, rank + 1, 0 past
-//    the node's depth), so a tie costs a few word compares. The popped slot takes the node's first
-//    child and a fresh slot its next sibling; only the lanes that own a changed slot rescan.
-//    Shared memory: the tuple table, plus the per-depth log-prob table when it fits.
+//    frontier (at most budget candidates) is split over the lanes, slot g owned by lane g % 32.
+//    A pop is one warp max-reduction of the lanes' best keys (order_key of the score); exact
+//    score ties compare rank tuples lexicographically through a packed prefix of the tuple
+//    (`bits` per depth, rank + 1, 0 past the node's depth), so a tie costs a few word compares,
+//    and deeper ties walk the popped nodes' parents. The popped slot takes the node's first child
+//    and a fresh slot its next sibling. Up to 32 * SELECT_REGS candidates the slots live in
+//    registers (SELECT_REGS per lane, each lane's best recomputed per pop: a pop is bound by
+//    latency); beyond that in shared memory, where each lane keeps the best of its slots in
+//    registers and only the lanes that own a changed slot rescan. Shared memory: the popped
+//    nodes, plus the per-depth log-prob table when it fits.
 //
 // Rules shared with the reference: x = logits.float() / temperature (true division), NaN -> -inf,
 // a row holding +inf gives its +inf tokens log-prob -log(count) and every other token -inf, an
@@ -53,6 +58,9 @@
 #endif
 #ifndef SELECT_THREADS
 #define SELECT_THREADS 128
+#endif
+#ifndef SELECT_REGS
+#define SELECT_REGS 3
 #endif
 
 #define DDTREE_FULL 0xFFFFFFFFu
@@ -295,13 +303,45 @@ __device__ __forceinline__ float ddtree_vector_element(const uint4& v, int k) {
 #endif
 }
 
+// All VEC elements of a raw 16-byte vector of logits, widened to fp32 (bf16: a shift or a mask
+// per element).
+__device__ __forceinline__ void ddtree_unpack(const uint4& v, float (&x)[DDTREE_VEC]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#if DDTREE_DTYPE == DDTREE_DTYPE_F32
+#pragma unroll
+  for (int k = 0; k < 4; ++k) x[k] = __uint_as_float(w[k]);
+#elif DDTREE_DTYPE == DDTREE_DTYPE_BF16
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x[2 * k] = __uint_as_float(w[k] << 16);
+    x[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+  }
+#else
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+    x[2 * k] = f.x;
+    x[2 * k + 1] = f.y;
+  }
+#endif
+}
+
+// 2^x with subnormal results flushed to 0 (one MUFU.EX2, none of exp2f's subnormal fix-up):
+// every term it feeds is summed with the running maximum's own term 1, so a term below 2^-126
+// could not change the sum.
+__device__ __forceinline__ float ddtree_exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Statistics of one vector: online max m, sum s of exp(x - m) over finite x, count of +inf.
 __device__ __forceinline__ void ddtree_vector_stats(const float (&x)[DDTREE_VEC], float vmax,
                                                     float& m, float& s, float& infs) {
   bool careful = vmax == DDTREE_INF;
   if (!careful && vmax > -DDTREE_INF) {
     if (vmax > m) {
-      s *= exp2f((m - vmax) * DDTREE_LOG2E);
+      s *= ddtree_exp2_ftz((m - vmax) * DDTREE_LOG2E);
       m = vmax;
     }
     // (x - m) first: folding m into an fma with a pre-rounded m * log2(e) would add that
@@ -309,7 +349,7 @@ __device__ __forceinline__ void ddtree_vector_stats(const float (&x)[DDTREE_VEC]
     // and a row's top token could get a log-prob above 0.
     float vs = 0.0f;
 #pragma unroll
-    for (int k = 0; k < DDTREE_VEC; ++k) vs += exp2f((x[k] - m) * DDTREE_LOG2E);
+    for (int k = 0; k < DDTREE_VEC; ++k) vs += ddtree_exp2_ftz((x[k] - m) * DDTREE_LOG2E);
     if (isnan(vs)) {
       careful = true;  // a NaN entry
     } else {
@@ -327,13 +367,15 @@ __device__ __forceinline__ void ddtree_vector_stats(const float (&x)[DDTREE_VEC]
       }
     }
     if (fmax > m) {
-      s *= exp2f((m - fmax) * DDTREE_LOG2E);
+      s *= ddtree_exp2_ftz((m - fmax) * DDTREE_LOG2E);
       m = fmax;
     }
     if (m > -DDTREE_INF) {
 #pragma unroll
       for (int k = 0; k < DDTREE_VEC; ++k) {
-        if (x[k] > -DDTREE_INF && x[k] < DDTREE_INF) s += exp2f((x[k] - m) * DDTREE_LOG2E);
+        if (x[k] > -DDTREE_INF && x[k] < DDTREE_INF) {
+          s += ddtree_exp2_ftz((x[k] - m) * DDTREE_LOG2E);
+        }
       }
     }
   }
@@ -346,36 +388,54 @@ template <bool UNIT>
 __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float temperature,
                                  int begin, int end, int top_k, int cap, bool vectorized,
                                  uint64_t* cand, int* count, uint32_t* hist,
-                                 unsigned long long* block_threshold, float& m, float& s,
-                                 float& infs) {
+                                 unsigned long long* block_threshold, bool first_threshold,
+                                 uint32_t* first_key, float& m, float& s, float& infs) {
   const int lane = threadIdx.x & 31;
   uint4 cur[UNROLL], nxt[UNROLL];
   if (begin < end) ddtree_load_step(cur, src, begin, end, vectorized);
-  if (begin + DDTREE_STEP <= end && top_k <= 32 * UNROLL) {
-    // A first threshold from the first step: its 32 * UNROLL vectors hold 32 * UNROLL distinct
-    // entries at or above the smallest vector maximum, so that value bounds the row's top_k-th
-    // largest entry from below, and most of the step's entries need not be buffered.
-    float low = DDTREE_INF;
+  if (first_threshold) {
+    // The block's first threshold (see the file comment): this warp's j-th largest vector
+    // maximum by j rounds of a warp max that each retire one vector, then the smallest over
+    // the warps. Every warp takes part (the caller checked that each has a whole first step).
+    uint32_t keys[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const ddtree_logit_t* e = reinterpret_cast<const ddtree_logit_t*>(&cur[u]);
+      float x[DDTREE_VEC];
+      ddtree_unpack(cur[u], x);
       float vmax = -DDTREE_INF;  // fmaxf ignores NaN
 #pragma unroll
-      for (int k = 0; k < DDTREE_VEC; ++k) {
-        const float f = ddtree_to_float(e[k]);
-        vmax = fmaxf(vmax, UNIT ? f : f / temperature);
-      }
-      low = fminf(low, vmax);
+      for (int k = 0; k < DDTREE_VEC; ++k) vmax = fmaxf(vmax, UNIT ? x[k] : x[k] / temperature);
+      keys[u] = ddtree_order_key(vmax + 0.0f);  // > 0: key 0 marks a retired vector
     }
-    const uint32_t key = __reduce_min_sync(DDTREE_FULL, ddtree_order_key(low + 0.0f));
-    if (lane == 0) atomicMax(block_threshold, (unsigned long long)key << 32);
+    const int j = (top_k + TOPK_WARPS - 1) / TOPK_WARPS;
+    uint32_t top = 0;
+    for (int round = 0; round < j; ++round) {
+      uint32_t mine = 0;
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) mine = max(mine, keys[u]);
+      top = __reduce_max_sync(DDTREE_FULL, mine);
+      if (lane == __ffs(__ballot_sync(DDTREE_FULL, mine == top)) - 1) {
+        bool retired = false;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          if (!retired && keys[u] == top) {
+            keys[u] = 0;
+            retired = true;
+          }
+        }
+      }
+    }
+    if (lane == 0) atomicMin(first_key, top);
+    __syncthreads();
+    if (lane == 0) atomicMax(block_threshold, (unsigned long long)*first_key << 32);
   }
   for (int start = begin; start < end; start += DDTREE_STEP) {
     if (start + DDTREE_STEP < end) ddtree_load_step(nxt, src, start + DDTREE_STEP, end, vectorized);
     __syncwarp();  // every lane's appends of the last step are visible
     const int buffered = *reinterpret_cast<volatile int*>(count);
-    if (buffered > cap - DDTREE_STEP) {
-      // Not room for a whole step: keep about the top_k largest and raise the block threshold.
+    if (buffered > min(cap - DDTREE_STEP, 2 * top_k)) {
+      // Not room for a whole step, or twice top_k buffered (an early raise admits fewer
+      // entries later): keep about the top_k largest and raise the block threshold.
       // cap = top_k + 2 * STEP, so buffered > top_k and at most cap - STEP remain.
       uint64_t raised;
       const int kept =
@@ -393,11 +453,10 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       float x[DDTREE_VEC];
-      const ddtree_logit_t* e = reinterpret_cast<const ddtree_logit_t*>(&cur[u]);
+      ddtree_unpack(cur[u], x);
+      if (!UNIT) {
 #pragma unroll
-      for (int k = 0; k < DDTREE_VEC; ++k) {
-        const float f = ddtree_to_float(e[k]);
-        x[k] = UNIT ? f : f / temperature;
+        for (int k = 0; k < DDTREE_VEC; ++k) x[k] /= temperature;
       }
       float vmax = -DDTREE_INF;  // fmaxf ignores NaN: the largest non-NaN entry
 #pragma unroll
@@ -433,6 +492,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
     float* __restrict__ part_stats) {  // [rows, num_chunks * TOPK_WARPS, 3]: max, sum, +inf count
   extern __shared__ uint64_t smem[];   // [TOPK_WARPS, cap] candidate buffers
   __shared__ unsigned long long threshold;
+  __shared__ uint32_t first_key;
   __shared__ int counts[TOPK_WARPS];
   __shared__ uint32_t hist[TOPK_WARPS][256];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -443,16 +503,25 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   const int end = min(vocab, begin + slice);
   const ddtree_logit_t* src = logits + row * (int64_t)vocab;
   uint64_t* cand = smem + warp * (int64_t)cap;
-  if (threadIdx.x == 0) threshold = DDTREE_FINITE_FLOOR;
+  if (threadIdx.x == 0) {
+    threshold = DDTREE_FINITE_FLOOR;
+    first_key = 0xFFFFFFFFu;
+  }
+  // Block-uniform: every warp has a whole first step, and j = ceil(K / warps) vectors of it.
+  const bool first_threshold = (top_k + TOPK_WARPS - 1) / TOPK_WARPS <= 32 * UNROLL &&
+                               slice >= DDTREE_STEP &&
+                               chunk * span + (TOPK_WARPS - 1) * slice + DDTREE_STEP <= vocab;
   if (lane == 0) counts[warp] = 0;
   __syncthreads();
   float m = -DDTREE_INF, s = 0.0f, infs = 0.0f;
   if (temperature == 1.0f) {
     ddtree_topk_warp<true>(src, temperature, begin, end, top_k, cap, vectorized != 0, cand,
-                           &counts[warp], hist[warp], &threshold, m, s, infs);
+                           &counts[warp], hist[warp], &threshold, first_threshold, &first_key, m,
+                           s, infs);
   } else {
     ddtree_topk_warp<false>(src, temperature, begin, end, top_k, cap, vectorized != 0, cand,
-                            &counts[warp], hist[warp], &threshold, m, s, infs);
+                            &counts[warp], hist[warp], &threshold, first_threshold, &first_key, m,
+                            s, infs);
   }
   int count = counts[warp];
   if (count > top_k) {
@@ -562,8 +631,8 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
 
 // Lexicographic comparison of the rank tuples of two candidates (parent node, rank, depth) by
 // walking popped nodes' parents: true when candidate 1's tuple is smaller.
-__device__ bool ddtree_lex_less(int p1, int r1, int d1, int p2, int r2, int d2,
-                                const int16_t* parent, const int16_t* rank) {
+__device__ __noinline__ bool ddtree_lex_less(int p1, int r1, int d1, int p2, int r2, int d2,
+                                             const int16_t* parent, const int16_t* rank) {
   const int depth1 = d1, depth2 = d2;
   while (d1 > d2) {
     r1 = rank[p1];
@@ -603,6 +672,13 @@ __device__ __forceinline__ uint64_t ddtree_lex_extend(uint64_t parent_lex, int r
                                                       int bits) {
   const int shift = 64 - bits * depth;
   return shift >= 0 ? parent_lex | ((uint64_t)(rank + 1) << shift) : parent_lex;
+}
+
+// The packed prefix of a node's next sibling from the node's own: rank + 2 in place of rank + 1
+// at `depth` (the field is free below it: rank + 2 <= top_k < 2^bits).
+__device__ __forceinline__ uint64_t ddtree_lex_next_sibling(uint64_t lex, int depth, int bits) {
+  const int shift = 64 - bits * depth;
+  return shift >= 0 ? lex + (1ull << shift) : lex;
 }
 
 // Candidate order: larger score key first, then the smaller rank tuple.
@@ -659,6 +735,225 @@ __device__ void ddtree_select_write(int count, int64_t b, int64_t root,
   }
 }
 
+// A frontier candidate: score key (0: no candidate), packed (parent, rank, depth), packed
+// rank-tuple prefix.
+struct ddtree_cand {
+  uint32_t key;
+  uint32_t info;
+  uint64_t lex;
+};
+
+// The lane whose best candidate (key, prefix, info) is the warp's best, `top` being the largest
+// key: exact score ties go to the smaller rank tuple, by the packed prefixes (high word, then low
+// word) and then by walking the popped nodes' parents. Every lane calls it (no short-circuit
+// around the reductions); *win_info receives the winner's info.
+__device__ __forceinline__ int ddtree_pop_owner(uint32_t top, uint32_t best_key, uint64_t best_lex,
+                                                uint32_t best_info, const int16_t* node_parent,
+                                                const int16_t* node_rank, uint32_t* win_info) {
+  bool in = best_key == top;
+  uint32_t tied = __ballot_sync(DDTREE_FULL, in);
+  if ((tied & (tied - 1)) != 0) {
+    const uint32_t hi = in ? (uint32_t)(best_lex >> 32) : ~0u;
+    const uint32_t min_hi = __reduce_min_sync(DDTREE_FULL, hi);
+    in = in && hi == min_hi;
+    const uint32_t lo = in ? (uint32_t)best_lex : ~0u;
+    const uint32_t min_lo = __reduce_min_sync(DDTREE_FULL, lo);
+    in = in && lo == min_lo;
+    tied = __ballot_sync(DDTREE_FULL, in);
+  }
+  int owner = __ffs(tied) - 1;
+  uint32_t info = __shfl_sync(DDTREE_FULL, best_info, owner);
+  for (uint32_t rest = tied & (tied - 1); rest != 0; rest &= rest - 1) {
+    const int other = __ffs(rest) - 1;
+    const uint32_t other_info = __shfl_sync(DDTREE_FULL, best_info, other);
+    if (ddtree_slot_lex_less(other_info, info, node_parent, node_rank)) {
+      info = other_info;
+      owner = other;
+    }
+  }
+  *win_info = info;
+  return owner;
+}
+
+// Records popped node n (score key `top`, candidate `info`) in the node tables (lane 0; the warp
+// synchronises after) and returns its first child and next sibling as candidates (key 0: none).
+__device__ __forceinline__ void ddtree_pop_expand(int n, uint32_t top, uint32_t info,
+                                                  uint64_t lex, bool last, int draft_len,
+                                                  int top_k, int bits, const float* lp,
+                                                  const int* counts, int16_t* node_parent,
+                                                  int16_t* node_rank, int8_t* node_depth,
+                                                  float* node_score, ddtree_cand& child,
+                                                  ddtree_cand& sibling) {
+  const float score = ddtree_key_to_float(top);
+  const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
+  if ((threadIdx.x & 31) == 0) {
+    node_parent[n] = (int16_t)parent;
+    node_rank[n] = (int16_t)rank;
+    node_depth[n] = (int8_t)depth;
+    node_score[n] = score;
+  }
+  __syncwarp();  // node_score[parent] below may be this pop's
+  if (last) return;  // the budget is spent: no candidates needed
+  child.key = depth < draft_len && counts[depth] > 0
+                  ? ddtree_order_key(score + lp[depth * top_k] + 0.0f)
+                  : 0u;
+  child.info = ddtree_pack_slot(n, 0, depth + 1);
+  child.lex = ddtree_lex_extend(lex, 0, depth + 1, bits);
+  sibling.key = rank + 1 < counts[depth - 1]
+                    ? ddtree_order_key(node_score[parent] + lp[(depth - 1) * top_k + rank + 1] +
+                                       0.0f)
+                    : 0u;
+  sibling.info = ddtree_pack_slot(parent, rank + 1, depth);
+  sibling.lex = ddtree_lex_next_sibling(lex, depth, bits);
+}
+
+// Best-first pops of one request by one warp with the frontier in shared memory (any budget):
+// lane l owns slots l, l + 32, ... and keeps the best of them in registers. Writes nodes 1..popped
+// of the node tables and returns popped.
+__device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len, int top_k,
+                                                      const float* lp, const int* counts,
+                                                      int16_t* node_parent, int16_t* node_rank,
+                                                      int8_t* node_depth, float* node_score) {
+  __shared__ uint32_t slot_key[DDTREE_MAX_NODES];
+  __shared__ uint32_t slot_info[DDTREE_MAX_NODES];
+  __shared__ uint64_t slot_lex[DDTREE_MAX_NODES];
+  const int lane = threadIdx.x & 31;
+  const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
+  // (best_key, best_lex, best_info, best_slot): the best of this lane's slots (key 0: none).
+  uint32_t best_key = 0, best_info = 0;
+  uint64_t best_lex = 0;
+  int best_slot = -1;
+  if (lane == 0) {  // slot 0: the best depth-1 token
+    best_key = counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u;
+    best_info = ddtree_pack_slot(0, 0, 1);
+    best_lex = ddtree_lex_extend(0, 0, 1, bits);
+    best_slot = 0;
+    slot_key[0] = best_key;
+    slot_info[0] = best_info;
+    slot_lex[0] = best_lex;
+  }
+  __syncwarp();
+  int size = 1, popped = 0;
+  while (popped < budget) {
+    const uint32_t top = __reduce_max_sync(DDTREE_FULL, best_key);
+    if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
+    uint32_t info;
+    const int owner =
+        ddtree_pop_owner(top, best_key, best_lex, best_info, node_parent, node_rank, &info);
+    const int win = __shfl_sync(DDTREE_FULL, best_slot, owner);
+    const uint64_t lex = __shfl_sync(DDTREE_FULL, best_lex, owner);
+    ++popped;
+    ddtree_cand child, sibling;
+    ddtree_pop_expand(popped, top, info, lex, popped == budget, draft_len, top_k, bits, lp,
+                      counts, node_parent, node_rank, node_depth, node_score, child, sibling);
+    if (popped == budget) break;
+    // The popped slot takes the first child, else the next sibling; a fresh slot takes the
+    // sibling when there are both.
+    const ddtree_cand put = child.key != 0u ? child : sibling;
+    if (lane == owner) {
+      slot_key[win] = put.key;
+      slot_info[win] = put.info;
+      slot_lex[win] = put.lex;
+    }
+    int fresh = -1;
+    if (child.key != 0u && sibling.key != 0u) {
+      fresh = size++;
+      if (lane == (fresh & 31)) {
+        slot_key[fresh] = sibling.key;
+        slot_info[fresh] = sibling.info;
+        slot_lex[fresh] = sibling.lex;
+      }
+    }
+    __syncwarp();
+    if (lane == owner) {
+      best_key = 0;
+      best_slot = -1;
+      for (int sl = lane; sl < size; sl += 32) {
+        const uint32_t k = slot_key[sl];
+        if (k == 0u) continue;
+        const uint64_t l = slot_lex[sl];
+        const uint32_t i = slot_info[sl];
+        if (best_slot < 0 ||
+            ddtree_cand_better(k, l, i, best_key, best_lex, best_info, node_parent, node_rank)) {
+          best_key = k;
+          best_lex = l;
+          best_info = i;
+          best_slot = sl;
+        }
+      }
+    } else if (fresh >= 0 && lane == (fresh & 31)) {
+      if (best_slot < 0 || ddtree_cand_better(sibling.key, sibling.lex, sibling.info, best_key,
+                                              best_lex, best_info, node_parent, node_rank)) {
+        best_key = sibling.key;
+        best_lex = sibling.lex;
+        best_info = sibling.info;
+        best_slot = fresh;
+      }
+    }
+  }
+  return popped;
+}
+
+// The same pops with the frontier in registers: slot g is register g / 32 of lane g % 32, and
+// every lane recomputes its best per pop (unrolled over SELECT_REGS registers) instead of loading
+// slots from shared memory. budget <= 32 * SELECT_REGS (the frontier never exceeds the budget).
+__device__ __noinline__ int ddtree_select_pops_registers(int budget, int draft_len, int top_k,
+                                                         const float* lp, const int* counts,
+                                                         int16_t* node_parent, int16_t* node_rank,
+                                                         int8_t* node_depth, float* node_score) {
+  const int lane = threadIdx.x & 31;
+  const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
+  ddtree_cand slot[SELECT_REGS];
+#pragma unroll
+  for (int r = 0; r < SELECT_REGS; ++r) slot[r] = {0u, 0u, 0ull};
+  if (lane == 0) {  // slot 0: the best depth-1 token
+    slot[0].key = counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u;
+    slot[0].info = ddtree_pack_slot(0, 0, 1);
+    slot[0].lex = ddtree_lex_extend(0, 0, 1, bits);
+  }
+  int size = 1, popped = 0;
+  while (popped < budget) {
+    ddtree_cand best = {0u, 0u, 0ull};
+    int best_reg = -1;
+#pragma unroll
+    for (int r = 0; r < SELECT_REGS; ++r) {
+      if (slot[r].key != 0u &&
+          (best_reg < 0 || ddtree_cand_better(slot[r].key, slot[r].lex, slot[r].info, best.key,
+                                              best.lex, best.info, node_parent, node_rank))) {
+        best = slot[r];
+        best_reg = r;
+      }
+    }
+    const uint32_t top = __reduce_max_sync(DDTREE_FULL, best.key);
+    if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
+    uint32_t info;
+    const int owner =
+        ddtree_pop_owner(top, best.key, best.lex, best.info, node_parent, node_rank, &info);
+    const uint64_t lex = __shfl_sync(DDTREE_FULL, best.lex, owner);
+    ++popped;
+    ddtree_cand child, sibling;
+    ddtree_pop_expand(popped, top, info, lex, popped == budget, draft_len, top_k, bits, lp,
+                      counts, node_parent, node_rank, node_depth, node_score, child, sibling);
+    if (popped == budget) break;
+    // The popped slot takes the first child, else the next sibling; a fresh slot takes the
+    // sibling when there are both. (Register masks rather than index compares: the compiler
+    // keeps these as selects on registers instead of moving `slot` to local memory.)
+    const uint32_t popped_reg = lane == owner ? 1u << best_reg : 0u;
+    uint32_t fresh_reg = 0u;
+    if (child.key != 0u && sibling.key != 0u) {
+      const int fresh = size++;
+      fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
+    }
+    const ddtree_cand put = child.key != 0u ? child : sibling;
+#pragma unroll
+    for (int r = 0; r < SELECT_REGS; ++r) {
+      if (popped_reg & (1u << r)) slot[r] = put;
+      if (fresh_reg & (1u << r)) slot[r] = sibling;
+    }
+  }
+  return popped;
+}
+
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select(
     const float* __restrict__ topk_lp,      // [batch, draft_len, top_k]
     const int32_t* __restrict__ topk_tok,   // [batch, draft_len, top_k]
@@ -679,15 +974,10 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   __shared__ int16_t node_rank[DDTREE_MAX_NODES];
   __shared__ int8_t node_depth[DDTREE_MAX_NODES];
   __shared__ float node_score[DDTREE_MAX_NODES];
-  __shared__ uint64_t node_lex[DDTREE_MAX_NODES];
-  __shared__ uint32_t slot_key[DDTREE_MAX_NODES];
-  __shared__ uint32_t slot_info[DDTREE_MAX_NODES];
-  __shared__ uint64_t slot_lex[DDTREE_MAX_NODES];
   __shared__ int counts[32];
   __shared__ int skip, total;
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t b = blockIdx.x;
-  const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
   const float* lp_global = topk_lp + b * draft_len * (int64_t)top_k;
   const float* lp = lp_in_smem ? lp_table : lp_global;
   if (lp_in_smem) {
@@ -706,123 +996,17 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
     node_rank[0] = 0;
     node_depth[0] = 0;
     node_score[0] = 0.0f;
-    node_lex[0] = 0;
   }
   __syncthreads();
   const int budget = skip ? 0 : min(max(budgets[b], 0), num_nodes_max - 1);
 
   if (tid < 32) {
-    // Slot 0: the best depth-1 token. Lane l owns slots l, l + 32, ...; (best_key, best_lex,
-    // best_slot) is the best of its slots (key 0: none).
-    uint32_t best_key = 0;
-    uint64_t best_lex = 0;
-    int best_slot = -1;
-    if (lane == 0) {
-      slot_key[0] = counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u;
-      slot_info[0] = ddtree_pack_slot(0, 0, 1);
-      slot_lex[0] = ddtree_lex_extend(0, 0, 1, bits);
-      best_key = slot_key[0];
-      best_lex = slot_lex[0];
-      best_slot = 0;
-    }
-    __syncwarp();
-    int size = 1, popped = 0;
-    while (popped < budget) {
-      const uint32_t top = __reduce_max_sync(DDTREE_FULL, best_key);
-      if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
-      bool in = best_key == top;
-      uint32_t tied = __ballot_sync(DDTREE_FULL, in);
-      if ((tied & (tied - 1)) != 0) {
-        // Equal scores: the smallest packed tuple prefix (high word, then low word) ...
-        // (every lane takes part in each reduction: no short-circuit around them).
-        const uint32_t hi = in ? (uint32_t)(best_lex >> 32) : ~0u;
-        const uint32_t min_hi = __reduce_min_sync(DDTREE_FULL, hi);
-        in = in && hi == min_hi;
-        const uint32_t lo = in ? (uint32_t)best_lex : ~0u;
-        const uint32_t min_lo = __reduce_min_sync(DDTREE_FULL, lo);
-        in = in && lo == min_lo;
-        tied = __ballot_sync(DDTREE_FULL, in);
-      }
-      int win = __shfl_sync(DDTREE_FULL, best_slot, __ffs(tied) - 1);
-      if ((tied & (tied - 1)) != 0) {
-        // ... and equal prefixes (tuples deeper than the packed depths): walk the parents.
-        for (uint32_t rest = tied & (tied - 1); rest != 0; rest &= rest - 1) {
-          const int other = __shfl_sync(DDTREE_FULL, best_slot, __ffs(rest) - 1);
-          if (ddtree_slot_lex_less(slot_info[other], slot_info[win], node_parent, node_rank)) {
-            win = other;
-          }
-        }
-      }
-      const uint32_t info = slot_info[win];
-      const uint64_t lex = slot_lex[win];
-      const float score = ddtree_key_to_float(top);
-      const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
-      const int n = ++popped;
-      if (lane == 0) {
-        node_parent[n] = (int16_t)parent;
-        node_rank[n] = (int16_t)rank;
-        node_depth[n] = (int8_t)depth;
-        node_score[n] = score;
-        node_lex[n] = lex;
-      }
-      __syncwarp();
-      if (popped == budget) break;
-      const bool has_child = depth < draft_len && counts[depth] > 0;
-      const bool has_sibling = rank + 1 < counts[depth - 1];
-      const uint32_t sibling_key =
-          has_sibling ? ddtree_order_key(node_score[parent] + lp[(depth - 1) * top_k + rank + 1] +
-                                         0.0f)
-                      : 0u;
-      const uint32_t sibling_info = ddtree_pack_slot(parent, rank + 1, depth);
-      const uint64_t sibling_lex = ddtree_lex_extend(node_lex[parent], rank + 1, depth, bits);
-      // The popped slot takes the first child, else the next sibling; a fresh slot takes the
-      // sibling when there are both.
-      const int owner = win & 31;
-      if (lane == owner) {
-        if (has_child) {
-          slot_key[win] = ddtree_order_key(score + lp[depth * top_k] + 0.0f);
-          slot_info[win] = ddtree_pack_slot(n, 0, depth + 1);
-          slot_lex[win] = ddtree_lex_extend(lex, 0, depth + 1, bits);
-        } else {
-          slot_key[win] = sibling_key;
-          slot_info[win] = sibling_info;
-          slot_lex[win] = sibling_lex;
-        }
-      }
-      int fresh = -1;
-      if (has_child && has_sibling) {
-        fresh = size++;
-        if (lane == (fresh & 31)) {
-          slot_key[fresh] = sibling_key;
-          slot_info[fresh] = sibling_info;
-          slot_lex[fresh] = sibling_lex;
-        }
-      }
-      __syncwarp();
-      if (lane == owner) {
-        best_key = 0;
-        best_slot = -1;
-        for (int sl = lane; sl < size; sl += 32) {
-          const uint32_t k = slot_key[sl];
-          if (k == 0u) continue;
-          const uint64_t l = slot_lex[sl];
-          if (best_slot < 0 || ddtree_cand_better(k, l, slot_info[sl], best_key, best_lex,
-                                                  slot_info[best_slot], node_parent, node_rank)) {
-            best_key = k;
-            best_lex = l;
-            best_slot = sl;
-          }
-        }
-      } else if (fresh >= 0 && lane == (fresh & 31) && sibling_key != 0u) {
-        if (best_slot < 0 || ddtree_cand_better(sibling_key, sibling_lex, sibling_info, best_key,
-                                                best_lex, slot_info[best_slot], node_parent,
-                                                node_rank)) {
-          best_key = sibling_key;
-          best_lex = sibling_lex;
-          best_slot = fresh;
-        }
-      }
-    }
+    const int popped =
+        budget <= 32 * SELECT_REGS
+            ? ddtree_select_pops_registers(budget, draft_len, top_k, lp, counts, node_parent,
+                                           node_rank, node_depth, node_score)
+            : ddtree_select_pops_shared(budget, draft_len, top_k, lp, counts, node_parent,
+                                        node_rank, node_depth, node_score);
     if (lane == 0) total = 1 + popped;
   }
   __syncthreads();
