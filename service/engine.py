@@ -303,6 +303,8 @@ class Engine:
         self._flags: tuple[torch.Tensor, torch.Tensor | None] | None = None
         """``error_flags`` on the device and its pinned host copy, reused (``_flag_buffers``)."""
         self._flag_views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._flags_are_zero = False
+        """Whether the whole device flag buffer is known to be zero (``_flag_buffers``)."""
         self.inline_ops = self.device.type == "cuda"
         """Whether ``inline=True`` calls run on the calling thread when the device is free (on
         by default on CUDA, where an op's host work and device wait take well under a
@@ -789,7 +791,12 @@ class Engine:
         be queued for copying before that, so one synchronisation serves them all.
         """
         flags, host = self._flag_buffers(batch_size)
-        flags.zero_()
+        if not self._flags_are_zero:
+            # The whole buffer: a failed op may have flagged requests past this op's batch.
+            whole = self._flags
+            assert whole is not None  # made by _flag_buffers
+            whole[0].zero_()
+        self._flags_are_zero = False  # until _check_flags reads this launch's flags back
         timer = self._observer.time_op(op, self.device) if observe else contextlib.nullcontext()
         try:
             with timer:
@@ -813,6 +820,16 @@ class Engine:
         synchronisation of ``_check_flags``, before the next op of the call zeroes it again.
         A fresh allocation per op cost a device allocation and a pinned host allocation (whose
         release records an event) each time. The views of each batch size are kept too.
+
+        The device buffer is zeroed before an op only when it may not be zero: after an op
+        whose flags ``_check_flags`` read back as all zero (following the stream
+        synchronisation that completes every write to them), the whole buffer is known to be
+        zero, since ops write only their own batch's flags and nothing else writes the buffer.
+        A launch clears that knowledge until its flags are read back; a flagged request, or
+        an op that failed before its verdict, leaves the buffer to be zeroed whole before the
+        next op. On a busy host a kernel launch is the costliest step of the op's own host
+        work (the zeroing launch took about 50 us on the H200 machine, the profile of
+        ``bench/results/2026-11-30-h200-ipc-s4-server-profile.txt``).
         """
         views = self._flag_views.get(batch_size)
         if views is not None:
@@ -826,6 +843,7 @@ class Engine:
                 host = torch.zeros(size, dtype=torch.int32, pin_memory=True)  # [size]
             buffers = self._flags = (flags, host)
             self._flag_views = {}
+            self._flags_are_zero = True  # zeroed on this stream, before any op's launch
         flags, host = buffers
         views = (flags[:batch_size], None if host is None else host[:batch_size])
         self._flag_views[batch_size] = views
@@ -841,6 +859,7 @@ class Engine:
             self._stream.synchronize()
         values = flags.tolist()
         if not any(values):
+            self._flags_are_zero = True  # see _flag_buffers
             return
         bad = [index for index, value in enumerate(values) if value]
         index = bad[0]
