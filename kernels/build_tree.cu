@@ -13,10 +13,13 @@
 //    the warp's buffer of `cap` composites; when a vector's candidates might not fit, the warp
 //    keeps the K largest of its buffer (a warp radix select) and raises the block threshold to the
 //    smallest of them (a lower bound of the row's K-th largest entry: the warp saw K entries at or
-//    above it). When every warp of the block has a whole first step, the first threshold is the
-//    smallest over the warps of each warp's j-th largest first-step vector maximum, j = ceil(K /
-//    TOPK_WARPS) <= 32 * UNROLL: the warps hold j distinct entries each at or above it, K in all.
-//    On random logits only O(K log(V / K)) entries ever pass. At the end every warp
+//    above it). A second, tighter bound: each warp publishes a value it holds j = ceil(K /
+//    TOPK_WARPS) distinct entries at or above, and the smallest of the warps' values bounds the
+//    row's K-th largest entry too (K entries in all are at or above it). A warp publishes the
+//    j-th largest of its kept candidates after each shrink and, when every warp of the block has
+//    a whole first step and j <= 32 * UNROLL, first the j-th largest of its first-step vector
+//    maxima (one block barrier, so that the first steps already use it). On random logits only
+//    O(K log(V / K)) entries ever pass. At the end every warp
 //    writes its statistics and its candidates at or above the final threshold (a superset of its
 //    share of the row's top K), padded with composite 0, as one "part" of the row.
 // 2. ddtree_build_merge  grid (rows), block MERGE_THREADS, dynamic shared memory
@@ -381,6 +384,20 @@ __device__ __forceinline__ void ddtree_vector_stats(const float (&x)[DDTREE_VEC]
   }
 }
 
+// Raises the block threshold to `raised` or to the smallest of the warps' published bounds (see
+// the file comment), whichever is larger. A bound not yet published reads 0; one read stale is
+// smaller than the current one and still a bound. One whole warp calls it.
+__device__ __forceinline__ void ddtree_raise_threshold(const uint32_t* warp_bound,
+                                                       unsigned long long* block_threshold,
+                                                       uint64_t raised) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t bound =
+      lane < TOPK_WARPS ? *reinterpret_cast<const volatile uint32_t*>(&warp_bound[lane]) : ~0u;
+  const uint32_t low = __reduce_min_sync(DDTREE_FULL, bound);
+  if (lane == 0) atomicMax(block_threshold, max((unsigned long long)raised,
+                                                (unsigned long long)low << 32));
+}
+
 // Streams one warp's slice [begin, end) of a row; see the file comment (launch 1).
 // UNIT: temperature == 1. `count` is the warp's number of buffered candidates in shared memory
 // (lanes append with atomics; read it only after __syncwarp).
@@ -389,14 +406,15 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
                                  int begin, int end, int top_k, int cap, bool vectorized,
                                  uint64_t* cand, int* count, uint32_t* hist,
                                  unsigned long long* block_threshold, bool first_threshold,
-                                 uint32_t* first_key, float& m, float& s, float& infs) {
-  const int lane = threadIdx.x & 31;
+                                 uint32_t* warp_bound, float& m, float& s, float& infs) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int j = (top_k + TOPK_WARPS - 1) / TOPK_WARPS;
   uint4 cur[UNROLL], nxt[UNROLL];
   if (begin < end) ddtree_load_step(cur, src, begin, end, vectorized);
   if (first_threshold) {
-    // The block's first threshold (see the file comment): this warp's j-th largest vector
-    // maximum by j rounds of a warp max that each retire one vector, then the smallest over
-    // the warps. Every warp takes part (the caller checked that each has a whole first step).
+    // The warps' first bounds (see the file comment): this warp's j-th largest vector maximum
+    // by j rounds of a warp max that each retire one vector. Every warp takes part (the caller
+    // checked that each has a whole first step).
     uint32_t keys[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -407,7 +425,6 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
       for (int k = 0; k < DDTREE_VEC; ++k) vmax = fmaxf(vmax, UNIT ? x[k] : x[k] / temperature);
       keys[u] = ddtree_order_key(vmax + 0.0f);  // > 0: key 0 marks a retired vector
     }
-    const int j = (top_k + TOPK_WARPS - 1) / TOPK_WARPS;
     uint32_t top = 0;
     for (int round = 0; round < j; ++round) {
       uint32_t mine = 0;
@@ -425,9 +442,9 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
         }
       }
     }
-    if (lane == 0) atomicMin(first_key, top);
+    if (lane == 0) warp_bound[warp] = top;
     __syncthreads();
-    if (lane == 0) atomicMax(block_threshold, (unsigned long long)*first_key << 32);
+    ddtree_raise_threshold(warp_bound, block_threshold, 0);
   }
   for (int start = begin; start < end; start += DDTREE_STEP) {
     if (start + DDTREE_STEP < end) ddtree_load_step(nxt, src, start + DDTREE_STEP, end, vectorized);
@@ -440,11 +457,13 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
       uint64_t raised;
       const int kept =
           ddtree_warp_shrink(cand, buffered, top_k, cap - DDTREE_STEP, hist, &raised);
+      const uint32_t held = (uint32_t)(ddtree_warp_select(cand, kept, j, false, hist) >> 32);
       if (lane == 0) {
         *count = kept;
-        atomicMax(block_threshold, (unsigned long long)raised);
+        warp_bound[warp] = max(warp_bound[warp], held);
       }
       __syncwarp();
+      ddtree_raise_threshold(warp_bound, block_threshold, raised);
     }
     // Candidates: x at or above the threshold's value (a superset of the composites at or above
     // it). The floor's value is -FLT_MAX, so -inf and NaN never pass.
@@ -492,7 +511,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
     float* __restrict__ part_stats) {  // [rows, num_chunks * TOPK_WARPS, 3]: max, sum, +inf count
   extern __shared__ uint64_t smem[];   // [TOPK_WARPS, cap] candidate buffers
   __shared__ unsigned long long threshold;
-  __shared__ uint32_t first_key;
+  __shared__ uint32_t warp_bound[TOPK_WARPS];  // see the file comment; 0: none yet
   __shared__ int counts[TOPK_WARPS];
   __shared__ uint32_t hist[TOPK_WARPS][256];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -503,24 +522,24 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   const int end = min(vocab, begin + slice);
   const ddtree_logit_t* src = logits + row * (int64_t)vocab;
   uint64_t* cand = smem + warp * (int64_t)cap;
-  if (threadIdx.x == 0) {
-    threshold = DDTREE_FINITE_FLOOR;
-    first_key = 0xFFFFFFFFu;
-  }
+  if (threadIdx.x == 0) threshold = DDTREE_FINITE_FLOOR;
   // Block-uniform: every warp has a whole first step, and j = ceil(K / warps) vectors of it.
   const bool first_threshold = (top_k + TOPK_WARPS - 1) / TOPK_WARPS <= 32 * UNROLL &&
                                slice >= DDTREE_STEP &&
                                chunk * span + (TOPK_WARPS - 1) * slice + DDTREE_STEP <= vocab;
-  if (lane == 0) counts[warp] = 0;
+  if (lane == 0) {
+    counts[warp] = 0;
+    warp_bound[warp] = 0;
+  }
   __syncthreads();
   float m = -DDTREE_INF, s = 0.0f, infs = 0.0f;
   if (temperature == 1.0f) {
     ddtree_topk_warp<true>(src, temperature, begin, end, top_k, cap, vectorized != 0, cand,
-                           &counts[warp], hist[warp], &threshold, first_threshold, &first_key, m,
+                           &counts[warp], hist[warp], &threshold, first_threshold, warp_bound, m,
                            s, infs);
   } else {
     ddtree_topk_warp<false>(src, temperature, begin, end, top_k, cap, vectorized != 0, cand,
-                            &counts[warp], hist[warp], &threshold, first_threshold, &first_key, m,
+                            &counts[warp], hist[warp], &threshold, first_threshold, warp_bound, m,
                             s, infs);
   }
   int count = counts[warp];
