@@ -115,6 +115,12 @@ class StepDeadline:
             (the read queues behind the caller's stream: taken as no progress).
         now : float
             ``time.monotonic()`` of the poll.
+
+        Returns
+        -------
+        int or None
+            The overdue step's number (``-1`` when no read completed since the clock started,
+            so the step is unknown), or ``None`` while nothing is overdue.
         """
         if words is None:
             if self._step is None:

@@ -231,8 +231,18 @@ class ControlReader:
         self._pending = False
 
     def read(self, timeout_s: float) -> tuple[int, int, int, int] | None:
-        """``(doorbell, completion, done, state)``, or ``None`` when the copy did not finish
-        within ``timeout_s`` (its stream is held up; the next read waits for the same copy).
+        """Read the control block's head.
+
+        Parameters
+        ----------
+        timeout_s : float
+            How long to wait for the copy.
+
+        Returns
+        -------
+        tuple of int or None
+            ``(doorbell, completion, done, state)``, or ``None`` when the copy did not finish
+            within ``timeout_s`` (its stream is held up; the next read waits for the same copy).
 
         Raises
         ------
