@@ -446,8 +446,17 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
     __syncthreads();
     ddtree_raise_threshold(warp_bound, block_threshold, 0);
   }
-  for (int start = begin; start < end; start += DDTREE_STEP) {
-    if (start + DDTREE_STEP < end) ddtree_load_step(nxt, src, start + DDTREE_STEP, end, vectorized);
+  // This lane's first vector of the next step (read only where the step is whole and the row
+  // 16-byte aligned), advanced one step per iteration.
+  const uint4* next_vectors = reinterpret_cast<const uint4*>(src + begin + DDTREE_STEP) + lane;
+  for (int start = begin; start < end; start += DDTREE_STEP, next_vectors += 32 * UNROLL) {
+    if (vectorized && start + 2 * DDTREE_STEP <= end) {
+      // An interior step (the common case): every vector whole, no bounds to check.
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) nxt[u] = __ldg(next_vectors + u * 32);
+    } else if (start + DDTREE_STEP < end) {
+      ddtree_load_step(nxt, src, start + DDTREE_STEP, end, vectorized);
+    }
     __syncwarp();  // every lane's appends of the last step are visible
     const int buffered = *reinterpret_cast<volatile int*>(count);
     if (buffered > min(cap - DDTREE_STEP, 2 * top_k)) {
