@@ -196,8 +196,9 @@ class TensorResolver:
 
         Also used for output destinations, whose dtype and shape follow from the request.
         """
+        leases = self._call_leases(field)
         self._checked_size(field, dtype, shape)
-        return self._view(ref, field, dtype, shape)
+        return leases.resolve(field, ref.region_token, ref.offset_bytes, dtype, shape)
 
     def _checked_size(self, field: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
         """``prod(shape) * itemsize``, refused past ``max_tensor_bytes``."""
@@ -214,6 +215,10 @@ class TensorResolver:
         self, ref: tensor_pb2.TensorRef, field: str, dtype: torch.dtype, shape: tuple[int, ...]
     ) -> torch.Tensor:
         # ``resolve_ref`` after the size check (``resolve`` has made it already).
+        leases = self._call_leases(field)
+        return leases.resolve(field, ref.region_token, ref.offset_bytes, dtype, shape)
+
+    def _call_leases(self, field: str) -> Leases:
         leases = self.leases
         if leases is None:
             if self.memory is None:
@@ -223,7 +228,7 @@ class TensorResolver:
                     field=f"{field}.ref",
                 )
             raise RuntimeError("TensorResolver.resolve_ref: use a per-call resolver (for_call)")
-        return leases.resolve(field, ref.region_token, ref.offset_bytes, dtype, shape)
+        return leases
 
     def required(self, parent: object, name: str, field: str) -> torch.Tensor:
         """Decode the message-typed field ``name`` of ``parent``, which must be set."""
