@@ -75,11 +75,12 @@ def env_of(container: dict) -> dict[str, str]:
 # ---------------------------------------------------------------- lint, render, validate
 
 
-def test_ci_value_sets_cover_default_daemonset_and_servicemonitor():
+def test_ci_value_sets_cover_default_daemonset_mps_and_servicemonitor():
     assert [p.name for p in CI_VALUES] == [
         "daemonset-values.yaml",
         "default-values.yaml",
         "ingress-values.yaml",
+        "mps-values.yaml",
         "servicemonitor-values.yaml",
     ]
 
@@ -189,6 +190,23 @@ def test_daemonset_mode_renders_a_daemonset_with_host_ipc_and_the_socket(helm):
     assert env_of(container)["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
     assert only(docs, "Service")["spec"]["internalTrafficPolicy"] == "Local"
+
+
+def test_mps_mounts_the_daemons_pipe_directory_and_points_cuda_at_it(helm):
+    docs = render(helm, "-f", str(CHART / "ci" / "mps-values.yaml"))
+    spec = pod_spec(docs)
+    pipe = next(v for v in spec["volumes"] if v["name"] == "mps-pipe")
+    assert pipe["hostPath"] == {"path": "/tmp/nvidia-mps", "type": "Directory"}
+    container = server_container(docs)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "mps-pipe")
+    assert mount["mountPath"] == "/run/nvidia-mps"
+    assert env_of(container)["CUDA_MPS_PIPE_DIRECTORY"] == "/run/nvidia-mps"
+
+
+def test_mps_without_host_ipc_is_refused(helm):
+    result = _run_helm(helm, "template", "rel", str(CHART), "--set", "mps.enabled=true")
+    assert result.returncode != 0
+    assert "mps.enabled needs hostIPC: true" in result.stderr
 
 
 def only_init(spec: dict, name: str) -> dict:

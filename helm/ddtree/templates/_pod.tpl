@@ -2,6 +2,9 @@
 Pod template shared by the Deployment and the DaemonSet.
 */}}
 {{- define "ddtree.podTemplate" -}}
+{{- if and .Values.mps.enabled (not .Values.hostIPC) }}
+{{- fail "mps.enabled needs hostIPC: true (MPS clients share the node's IPC namespace with the daemon)" }}
+{{- end }}
 metadata:
   labels:
     {{- include "ddtree.labels" . | nindent 4 }}
@@ -132,6 +135,10 @@ spec:
         - name: DDTREE_UNIX_SOCKET_MODE
           value: {{ .Values.unixSocket.mode | quote }}
         {{- end }}
+        {{- if .Values.mps.enabled }}
+        - name: CUDA_MPS_PIPE_DIRECTORY
+          value: {{ .Values.mps.mountPath | quote }}
+        {{- end }}
         {{- with .Values.gpu.visibleDevices }}
         - name: NVIDIA_VISIBLE_DEVICES
           value: {{ . | quote }}
@@ -187,6 +194,10 @@ spec:
         - name: socket
           mountPath: {{ .Values.unixSocket.mountPath }}
         {{- end }}
+        {{- if .Values.mps.enabled }}
+        - name: mps-pipe
+          mountPath: {{ .Values.mps.mountPath }}
+        {{- end }}
         {{- with .Values.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -206,6 +217,14 @@ spec:
       hostPath:
         path: {{ .Values.unixSocket.hostPath }}
         type: DirectoryOrCreate
+    {{- end }}
+    {{- if .Values.mps.enabled }}
+    - name: mps-pipe
+      hostPath:
+        # Made by the node's MPS control daemon: a pod scheduled before it waits, not a new
+        # directory no daemon listens on.
+        path: {{ .Values.mps.pipeDirectory }}
+        type: Directory
     {{- end }}
     {{- with .Values.extraVolumes }}
     {{- toYaml . | nindent 4 }}
