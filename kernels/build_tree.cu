@@ -6,22 +6,22 @@
 // 1. ddtree_build_topk  grid (num_chunks, rows), block TOPK_WARPS warps, dynamic shared memory
 //    TOPK_WARPS * cap * 8 bytes. A block covers one span of one row; each warp streams its own
 //    slice of the span exactly once, UNROLL 16-byte vectors per lane and step, with the next step's
-//    loads in flight while a step is processed, and no block barrier until the end. Per lane it
-//    keeps an online max and sum of exp(x - max) over finite x and a count of +inf. Candidates are
-//    64-bit composites order_key(x) << 32 | ~token (larger composite = larger scaled logit x, equal
-//    x smaller token id). Only entries whose composite is >= the block's running threshold enter
-//    the warp's buffer of `cap` composites; when a vector's candidates might not fit, the warp
-//    keeps the K largest of its buffer (a warp radix select) and raises the block threshold to the
-//    smallest of them (a lower bound of the row's K-th largest entry: the warp saw K entries at or
-//    above it). A second, tighter bound: each warp publishes a value it holds j = ceil(K /
-//    TOPK_WARPS) distinct entries at or above, and the smallest of the warps' values bounds the
-//    row's K-th largest entry too (K entries in all are at or above it). A warp publishes the
-//    j-th largest of its kept candidates after each shrink and, when every warp of the block has
-//    a whole first step and j <= 32 * UNROLL, first the j-th largest of its first-step vector
-//    maxima (one block barrier, so that the first steps already use it). On random logits only
-//    O(K log(V / K)) entries ever pass. At the end every warp
-//    writes its statistics and its candidates at or above the final threshold (a superset of its
-//    share of the row's top K), padded with composite 0, as one "part" of the row.
+//    loads in flight while a step is processed, and no block barrier after the first step (see
+//    below) until the end. Per lane it keeps an online max and sum of exp(x - max) over finite x
+//    and a count of +inf. Candidates are 64-bit composites order_key(x) << 32 | ~token (larger
+//    composite = larger scaled logit x, equal x smaller token id). Only entries whose composite is
+//    >= the block's running threshold enter the warp's buffer of `cap` composites; when a step's
+//    candidates might not fit, or more than 2K are buffered, the warp keeps the K largest of its
+//    buffer (a warp radix select) and raises the block threshold to the smallest of them (a lower
+//    bound of the row's K-th largest entry: the warp saw K entries at or above it). A second,
+//    tighter bound: each warp publishes a value it holds j = ceil(K / TOPK_WARPS) distinct entries
+//    at or above, and the smallest of the warps' values bounds the row's K-th largest entry too (K
+//    entries in all are at or above it). A warp publishes the j-th largest of its kept candidates
+//    after each shrink and, when every warp of the block has a whole first step and j <= 32 *
+//    UNROLL, first the j-th largest of its first-step vector maxima (one block barrier, so that the
+//    first steps already use it). On random logits only O(K log(V / K)) entries ever pass. At the
+//    end every warp writes its statistics and its candidates at or above the final threshold (a
+//    superset of its share of the row's top K), padded with composite 0, as one "part" of the row.
 // 2. ddtree_build_merge  grid (rows), block MERGE_THREADS, dynamic shared memory
 //    num_parts * K * 8 + sort_size * 8 bytes. Gathers the row's non-pad candidates, combines the
 //    parts' statistics into the row's log-sum-exp, radix-selects the row's top K, sorts them
