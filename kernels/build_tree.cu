@@ -338,6 +338,22 @@ __device__ __forceinline__ float ddtree_exp2_ftz(float x) {
   return y;
 }
 
+// The entries x of a raw vector scaled by 1/temperature (UNIT: temperature == 1) and their
+// largest non-NaN value (fmaxf ignores NaN; -inf when every entry is NaN).
+template <bool UNIT>
+__device__ __forceinline__ float ddtree_scaled_vector(const uint4& v, float temperature,
+                                                      float (&x)[DDTREE_VEC]) {
+  ddtree_unpack(v, x);
+  if (!UNIT) {
+#pragma unroll
+    for (int k = 0; k < DDTREE_VEC; ++k) x[k] /= temperature;
+  }
+  float vmax = -DDTREE_INF;
+#pragma unroll
+  for (int k = 0; k < DDTREE_VEC; ++k) vmax = fmaxf(vmax, x[k]);
+  return vmax;
+}
+
 // Statistics of one vector: online max m, sum s of exp(x - m) over finite x, count of +inf.
 __device__ __forceinline__ void ddtree_vector_stats(const float (&x)[DDTREE_VEC], float vmax,
                                                     float& m, float& s, float& infs) {
@@ -419,10 +435,7 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       float x[DDTREE_VEC];
-      ddtree_unpack(cur[u], x);
-      float vmax = -DDTREE_INF;  // fmaxf ignores NaN
-#pragma unroll
-      for (int k = 0; k < DDTREE_VEC; ++k) vmax = fmaxf(vmax, UNIT ? x[k] : x[k] / temperature);
+      const float vmax = ddtree_scaled_vector<UNIT>(cur[u], temperature, x);
       keys[u] = ddtree_order_key(vmax + 0.0f);  // > 0: key 0 marks a retired vector
     }
     uint32_t top = 0;
@@ -481,14 +494,7 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       float x[DDTREE_VEC];
-      ddtree_unpack(cur[u], x);
-      if (!UNIT) {
-#pragma unroll
-        for (int k = 0; k < DDTREE_VEC; ++k) x[k] /= temperature;
-      }
-      float vmax = -DDTREE_INF;  // fmaxf ignores NaN: the largest non-NaN entry
-#pragma unroll
-      for (int k = 0; k < DDTREE_VEC; ++k) vmax = fmaxf(vmax, x[k]);
+      const float vmax = ddtree_scaled_vector<UNIT>(cur[u], temperature, x);
       ddtree_vector_stats(x, vmax, m, s, infs);
       if (vmax >= floor_value) {
         uint32_t bits = 0;
@@ -803,8 +809,16 @@ __device__ __forceinline__ int ddtree_pop_owner(uint32_t top, uint32_t best_key,
   return owner;
 }
 
-// Records popped node n (score key `top`, candidate `info`) in the node tables (lane 0; the warp
-// synchronises after) and returns its first child and next sibling as candidates (key 0: none).
+// The first candidate of a request: its best depth-1 token (key 0 when none is possible).
+__device__ __forceinline__ ddtree_cand ddtree_first_cand(const float* lp, const int* counts,
+                                                         int bits) {
+  return {counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u, ddtree_pack_slot(0, 0, 1),
+          ddtree_lex_extend(0, 0, 1, bits)};
+}
+
+// Records popped node n (score key `top`, candidate `info`, prefix `lex`) in the node tables
+// (lane 0; the warp synchronises after) and, unless `last`, returns its first child and next
+// sibling as candidates (key 0: none).
 __device__ __forceinline__ void ddtree_pop_expand(int n, uint32_t top, uint32_t info,
                                                   uint64_t lex, bool last, int draft_len,
                                                   int top_k, int bits, const float* lp,
@@ -852,9 +866,10 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
   uint64_t best_lex = 0;
   int best_slot = -1;
   if (lane == 0) {  // slot 0: the best depth-1 token
-    best_key = counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u;
-    best_info = ddtree_pack_slot(0, 0, 1);
-    best_lex = ddtree_lex_extend(0, 0, 1, bits);
+    const ddtree_cand first = ddtree_first_cand(lp, counts, bits);
+    best_key = first.key;
+    best_info = first.info;
+    best_lex = first.lex;
     best_slot = 0;
     slot_key[0] = best_key;
     slot_info[0] = best_info;
@@ -934,11 +949,7 @@ __device__ __noinline__ int ddtree_select_pops_registers(int budget, int draft_l
   ddtree_cand slot[SELECT_REGS];
 #pragma unroll
   for (int r = 0; r < SELECT_REGS; ++r) slot[r] = {0u, 0u, 0ull};
-  if (lane == 0) {  // slot 0: the best depth-1 token
-    slot[0].key = counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u;
-    slot[0].info = ddtree_pack_slot(0, 0, 1);
-    slot[0].lex = ddtree_lex_extend(0, 0, 1, bits);
-  }
+  if (lane == 0) slot[0] = ddtree_first_cand(lp, counts, bits);  // slot 0
   int size = 1, popped = 0;
   while (popped < budget) {
     ddtree_cand best = {0u, 0u, 0ull};
