@@ -324,12 +324,7 @@ def _kernel_attributes(batch: int) -> dict[str, Any]:
     from ddtree.kernels import jit, tree_cuda
 
     plan = tree_cuda.device_build_tree_plan(batch, DRAFT_LEN, VOCAB, BUDGET, 2, 0)
-    base = {
-        "DDTREE_DTYPE": 1,
-        "TOPK_WARPS": plan.warps,
-        "UNROLL": plan.unroll,
-        "TOPK_MIN_BLOCKS": plan.min_blocks,
-    }
+    base = {"DDTREE_DTYPE": 1, **plan.defines}
     out: dict[str, Any] = {}
     for name in ("topk", "merge", "select"):
         rpc = jit.get_kernel("build_tree.cu", f"ddtree_build_{name}", base, 0).attributes

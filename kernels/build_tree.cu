@@ -4,29 +4,33 @@
 // Rows are (request, depth) pairs, row = b * draft_len + (depth - 1). K = top_k = min(max_budget, V).
 //
 // 1. ddtree_build_topk  grid (num_chunks, rows), block TOPK_WARPS warps, dynamic shared memory
-//    TOPK_WARPS * cap * 8 bytes. A block covers one span of one row; each warp streams its own
-//    slice of the span exactly once, UNROLL 16-byte vectors per lane and step, with the next step's
-//    loads in flight while a step is processed, and no block barrier after the first step (see
-//    below) until the end. Per lane it keeps an online max and sum of exp(x - max) over finite x
-//    and a count of +inf. Candidates are 64-bit composites order_key(x) << 32 | ~token (larger
-//    composite = larger scaled logit x, equal x smaller token id). Only entries whose composite is
-//    >= the block's running threshold enter the warp's buffer of `cap` composites; when a step's
-//    candidates might not fit, or more than 2K are buffered, the warp keeps the K largest of its
-//    buffer (a warp radix select) and raises the block threshold to the smallest of them (a lower
-//    bound of the row's K-th largest entry: the warp saw K entries at or above it). A second,
-//    tighter bound: each warp publishes a value it holds j = ceil(K / TOPK_WARPS) distinct entries
-//    at or above, and the smallest of the warps' values bounds the row's K-th largest entry too (K
-//    entries in all are at or above it). A warp publishes the j-th largest of its kept candidates
-//    after each shrink and, when every warp of the block has a whole first step and j <= 32 *
-//    UNROLL, first the j-th largest of its first-step vector maxima (one block barrier, so that the
-//    first steps already use it). On random logits only O(K log(V / K)) entries ever pass. At the
-//    end every warp writes its statistics and its candidates at or above the final threshold (a
-//    superset of its share of the row's top K), padded with composite 0, as one "part" of the row.
+//    TOPK_WARPS * (cap * 8 + DDTREE_HITS * 20) bytes. A block covers one span of one row; each
+//    warp streams its own slice of the span exactly once, UNROLL 16-byte vectors per lane and
+//    step, with the next step's loads in flight (and the step TOPK_PREFETCH ahead asked of L2)
+//    while a step is processed, and no block barrier after the first step (see below) until the
+//    end. Per lane it keeps an online max and sum of exp(x - max) over finite x and a count of
+//    +inf, a step at a time with no branch in the common case. Candidates are 64-bit composites
+//    order_key(x) << 32 | ~token (larger composite = larger scaled logit x, equal x smaller token
+//    id). A vector whose largest entry reaches the block's running threshold is a "hit": its lane
+//    stores the raw vector in the warp's hit buffer, and once 32 hits are buffered the warp
+//    expands them together (one vector per lane, a warp prefix sum places the entries at or
+//    above the then current threshold in the warp's buffer of `cap` composites). Before a round
+//    could overflow it, the warp keeps the K largest of its buffer (a warp radix select) and
+//    raises the block threshold to the smallest of them (a lower bound of the row's K-th largest
+//    entry: the warp saw K entries at or above it). A second, tighter bound: each warp publishes
+//    a value it holds j = ceil(K / TOPK_WARPS) distinct entries at or above, and the smallest of
+//    the warps' values bounds the row's K-th largest entry too (K entries in all are at or above
+//    it). A warp publishes the j-th largest of its kept candidates after each shrink and, when
+//    every warp of the block has a whole first step and j <= 32 * UNROLL, first the j-th largest
+//    of its first-step vector maxima (one block barrier, so that the first steps already use it).
+//    On random logits only O(K log(V / K)) entries ever pass. At the end every warp writes its
+//    statistics and its candidates at or above the final threshold (a superset of its share of
+//    the row's top K), padded with composite 0, as one "part" of the row.
 // 2. ddtree_build_merge  grid (rows), block MERGE_THREADS, dynamic shared memory
-//    num_parts * K * 8 + sort_size * 8 bytes. Gathers the row's non-pad candidates, combines the
-//    parts' statistics into the row's log-sum-exp, radix-selects the row's top K, sorts them
-//    (bitonic) and writes the sorted top-K tokens, their log-probabilities and the number of
-//    possible ones.
+//    (num_parts * K + 2 * sort_size) * 8 bytes. Gathers the row's non-pad candidates, combines
+//    the parts' statistics into the row's log-sum-exp, sorts the candidates (bitonic; when there
+//    are more than 2 * sort_size, only the top K after a radix select) and writes the sorted
+//    top-K tokens, their log-probabilities and the number of possible ones.
 // 3. ddtree_build_select  grid (batch_size), block SELECT_THREADS; warp 0 runs the best-first
 //    selection of one request, then the whole block writes the nodes and ancestor masks. The
 //    frontier (at most budget candidates) is split over the lanes, slot g owned by lane g % 32.
@@ -35,10 +39,11 @@
 //    (`bits` per depth, rank + 1, 0 past the node's depth), so a tie costs a few word compares,
 //    and deeper ties walk the popped nodes' parents. The popped slot takes the node's first child
 //    and a fresh slot its next sibling. Up to 32 * SELECT_REGS candidates the slots live in
-//    registers (SELECT_REGS per lane, each lane's best recomputed per pop: a pop is bound by
-//    latency); beyond that in shared memory, where each lane keeps the best of its slots in
-//    registers and only the lanes that own a changed slot rescan. Shared memory: the popped
-//    nodes, plus the per-depth log-prob table when it fits.
+//    registers (SELECT_REGS per lane, each with the keys of its own first child and next
+//    sibling computed when it enters, so that a pop waits on no memory); beyond that in shared
+//    memory, where each lane keeps the best of its slots in registers and only the lanes that
+//    own a changed slot rescan. Shared memory: the popped nodes, plus the per-depth log-prob
+//    table when it fits.
 //
 // Rules shared with the reference: x = logits.float() / temperature (true division), NaN -> -inf,
 // a row holding +inf gives its +inf tokens log-prob -log(count) and every other token -inf, an
@@ -55,6 +60,9 @@
 #endif
 #ifndef TOPK_MIN_BLOCKS
 #define TOPK_MIN_BLOCKS 2
+#endif
+#ifndef TOPK_PREFETCH
+#define TOPK_PREFETCH 2
 #endif
 #ifndef MERGE_THREADS
 #define MERGE_THREADS 256
@@ -338,8 +346,32 @@ __device__ __forceinline__ float ddtree_exp2_ftz(float x) {
   return y;
 }
 
+// Sum and largest non-NaN value (fmaxf ignores one NaN) of t[0, N) by trees of pairwise
+// operations (N a power of two; t is overwritten): log2(N) dependent steps instead of N - 1.
+template <int N>
+__device__ __forceinline__ float ddtree_tree_sum(float (&t)[N]) {
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) t[k] += t[k + N / 2];
+  if constexpr (N > 2) {
+    return ddtree_tree_sum(reinterpret_cast<float(&)[N / 2]>(t));
+  } else {
+    return t[0];
+  }
+}
+
+template <int N>
+__device__ __forceinline__ float ddtree_tree_max(float (&t)[N]) {
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) t[k] = fmaxf(t[k], t[k + N / 2]);
+  if constexpr (N > 2) {
+    return ddtree_tree_max(reinterpret_cast<float(&)[N / 2]>(t));
+  } else {
+    return t[0];
+  }
+}
+
 // The entries x of a raw vector scaled by 1/temperature (UNIT: temperature == 1) and their
-// largest non-NaN value (fmaxf ignores NaN; -inf when every entry is NaN).
+// largest non-NaN value (-inf when every entry is NaN), by a tree of pairwise maxima.
 template <bool UNIT>
 __device__ __forceinline__ float ddtree_scaled_vector(const uint4& v, float temperature,
                                                       float (&x)[DDTREE_VEC]) {
@@ -348,56 +380,69 @@ __device__ __forceinline__ float ddtree_scaled_vector(const uint4& v, float temp
 #pragma unroll
     for (int k = 0; k < DDTREE_VEC; ++k) x[k] /= temperature;
   }
-  float vmax = -DDTREE_INF;
+  float t[DDTREE_VEC];
 #pragma unroll
-  for (int k = 0; k < DDTREE_VEC; ++k) vmax = fmaxf(vmax, x[k]);
-  return vmax;
+  for (int k = 0; k < DDTREE_VEC; ++k) t[k] = x[k];
+  return fmaxf(-DDTREE_INF, ddtree_tree_max(t));  // NaN only when every entry is NaN
 }
 
-// Statistics of one vector: online max m, sum s of exp(x - m) over finite x, count of +inf.
-__device__ __forceinline__ void ddtree_vector_stats(const float (&x)[DDTREE_VEC], float vmax,
-                                                    float& m, float& s, float& infs) {
-  bool careful = vmax == DDTREE_INF;
-  if (!careful && vmax > -DDTREE_INF) {
-    if (vmax > m) {
-      s *= ddtree_exp2_ftz((m - vmax) * DDTREE_LOG2E);
-      m = vmax;
+// Statistics of one vector, the careful way (any +inf, NaN or -inf): online max m, sum s of
+// exp(x - m) over finite x, count of +inf.
+__device__ __forceinline__ void ddtree_vector_stats_careful(const float (&x)[DDTREE_VEC],
+                                                            float& m, float& s, float& infs) {
+  float fmax = -DDTREE_INF;
+#pragma unroll
+  for (int k = 0; k < DDTREE_VEC; ++k) {
+    if (x[k] == DDTREE_INF) {
+      infs += 1.0f;
+    } else if (x[k] > -DDTREE_INF) {
+      fmax = fmaxf(fmax, x[k]);
+    }
+  }
+  if (fmax > m) {
+    s *= ddtree_exp2_ftz((m - fmax) * DDTREE_LOG2E);
+    m = fmax;
+  }
+  if (m > -DDTREE_INF) {
+#pragma unroll
+    for (int k = 0; k < DDTREE_VEC; ++k) {
+      if (x[k] > -DDTREE_INF && x[k] < DDTREE_INF) {
+        s += ddtree_exp2_ftz((x[k] - m) * DDTREE_LOG2E);
+      }
+    }
+  }
+}
+
+// Statistics of one step's UNROLL vectors (entries x, largest non-NaN entry smax): online max
+// m, sum s of exp(x - m) over finite x, count of +inf. The common case (smax finite, no NaN)
+// has no branch but the rare rescale, and sums by a tree, so that the vectors' chains overlap.
+__device__ __forceinline__ void ddtree_step_stats(const float (&x)[UNROLL][DDTREE_VEC],
+                                                  float smax, float& m, float& s, float& infs) {
+  if (smax > -DDTREE_INF && smax < DDTREE_INF) {
+    if (smax > m) {
+      s *= ddtree_exp2_ftz((m - smax) * DDTREE_LOG2E);
+      m = smax;
     }
     // (x - m) first: folding m into an fma with a pre-rounded m * log2(e) would add that
     // product's rounding error (up to 6e-5 at m = 1e3, 1e31 at m = 1e38) to every exponent,
     // and a row's top token could get a log-prob above 0.
-    float vs = 0.0f;
+    float t[UNROLL * DDTREE_VEC];
 #pragma unroll
-    for (int k = 0; k < DDTREE_VEC; ++k) vs += ddtree_exp2_ftz((x[k] - m) * DDTREE_LOG2E);
-    if (isnan(vs)) {
-      careful = true;  // a NaN entry
-    } else {
-      s += vs;
-    }
-  }
-  if (careful) {
-    float fmax = -DDTREE_INF;
-#pragma unroll
-    for (int k = 0; k < DDTREE_VEC; ++k) {
-      if (x[k] == DDTREE_INF) {
-        infs += 1.0f;
-      } else if (x[k] > -DDTREE_INF) {
-        fmax = fmaxf(fmax, x[k]);
-      }
-    }
-    if (fmax > m) {
-      s *= ddtree_exp2_ftz((m - fmax) * DDTREE_LOG2E);
-      m = fmax;
-    }
-    if (m > -DDTREE_INF) {
+    for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
       for (int k = 0; k < DDTREE_VEC; ++k) {
-        if (x[k] > -DDTREE_INF && x[k] < DDTREE_INF) {
-          s += ddtree_exp2_ftz((x[k] - m) * DDTREE_LOG2E);
-        }
+        t[u * DDTREE_VEC + k] = ddtree_exp2_ftz((x[u][k] - m) * DDTREE_LOG2E);
       }
     }
+    const float vs = ddtree_tree_sum(t);
+    if (!isnan(vs)) {
+      s += vs;
+      return;
+    }
   }
+  // A +inf, a NaN, or no finite entry (m may already be smax: the careful pass agrees).
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) ddtree_vector_stats_careful(x[u], m, s, infs);
 }
 
 // Raises the block threshold to `raised` or to the smallest of the warps' published bounds (see
@@ -414,15 +459,91 @@ __device__ __forceinline__ void ddtree_raise_threshold(const uint32_t* warp_boun
                                                 (unsigned long long)low << 32));
 }
 
-// Streams one warp's slice [begin, end) of a row; see the file comment (launch 1).
-// UNIT: temperature == 1. `count` is the warp's number of buffered candidates in shared memory
-// (lanes append with atomics; read it only after __syncwarp).
+// Vectors a warp may have recorded as hits and not yet expanded: fewer than 32 before a step,
+// plus at most one per lane and vector of the step.
+#define DDTREE_HITS (32 * (UNROLL + 1))
+
+// The block threshold's value: entries below it are not candidates (the floor's value is
+// -FLT_MAX, so -inf and NaN never pass).
+__device__ __forceinline__ float ddtree_threshold_value(const unsigned long long* threshold) {
+  return ddtree_key_to_float(
+      (uint32_t)(*reinterpret_cast<const volatile unsigned long long*>(threshold) >> 32));
+}
+
+// Shrinks a warp's buffer of n > 2 * top_k candidates to at most 2 * top_k (see
+// ddtree_warp_shrink), publishes the j-th largest kept value as the warp's bound and raises the
+// block threshold. Returns the new count. One whole warp calls it.
+__device__ int ddtree_shrink_and_raise(uint64_t* cand, int n, int top_k, int j, uint32_t* hist,
+                                       uint32_t* warp_bound, unsigned long long* block_threshold) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint64_t raised;
+  const int kept = ddtree_warp_shrink(cand, n, top_k, 2 * top_k, hist, &raised);
+  const uint32_t held = (uint32_t)(ddtree_warp_select(cand, kept, j, false, hist) >> 32);
+  if (lane == 0) warp_bound[warp] = max(warp_bound[warp], held);
+  __syncwarp();
+  ddtree_raise_threshold(warp_bound, block_threshold, raised);
+  return kept;
+}
+
+// Expands the warp's nh recorded hit vectors (raw vectors hit_vec[i], first token hit_token[i])
+// into candidates: 32 vectors per round, one per lane, each entry at or above the block
+// threshold (re-read every round: it may have risen since the hit) appended to cand[count, ..)
+// at positions from a warp prefix sum. Before a round that could overflow the buffer (of `cap`
+// >= 2 * top_k + 32 * VEC composites) the buffer is shrunk. Returns the new count. One whole
+// warp calls it.
 template <bool UNIT>
-__device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float temperature,
-                                 int begin, int end, int top_k, int cap, bool vectorized,
-                                 uint64_t* cand, int* count, uint32_t* hist,
-                                 unsigned long long* block_threshold, bool first_threshold,
-                                 uint32_t* warp_bound, float& m, float& s, float& infs) {
+__device__ int ddtree_expand_hits(const uint4* hit_vec, const int32_t* hit_token, int nh,
+                                  float temperature, uint64_t* cand, int count, int cap,
+                                  int top_k, int j, uint32_t* hist, uint32_t* warp_bound,
+                                  unsigned long long* block_threshold) {
+  const int lane = threadIdx.x & 31;
+  __syncwarp();  // every lane's hits are visible
+  for (int base = 0; base < nh; base += 32) {
+    if (count > cap - 32 * DDTREE_VEC) {
+      count = ddtree_shrink_and_raise(cand, count, top_k, j, hist, warp_bound, block_threshold);
+    }
+    const float floor_value = ddtree_threshold_value(block_threshold);
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    int token0 = 0;
+    uint32_t bits = 0;
+    if (base + lane < nh) {
+      v = hit_vec[base + lane];
+      token0 = hit_token[base + lane];
+      float x[DDTREE_VEC];
+      ddtree_scaled_vector<UNIT>(v, temperature, x);
+#pragma unroll
+      for (int k = 0; k < DDTREE_VEC; ++k) bits |= (x[k] >= floor_value ? 1u : 0u) << k;
+    }
+    const int mine = __popc(bits);
+    int incl = mine;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int o = __shfl_up_sync(DDTREE_FULL, incl, off);
+      if (lane >= off) incl += o;
+    }
+    int slot = count + incl - mine;
+    // Usually one entry of a hit vector passes: loop over the set bits only (the entry is
+    // re-read from the raw vector, which a dynamic index into x[] would send to local memory).
+    while (bits != 0u) {
+      const int k = __ffs(bits) - 1;
+      bits &= bits - 1u;
+      const float f = ddtree_vector_element(v, k);
+      cand[slot++] = ddtree_composite(UNIT ? f : f / temperature, (uint32_t)(token0 + k));
+    }
+    count += __shfl_sync(DDTREE_FULL, incl, 31);
+  }
+  __syncwarp();  // every lane has read its hits before the buffer is reused
+  return count;
+}
+
+// Streams one warp's slice [begin, end) of a row; see the file comment (launch 1). UNIT:
+// temperature == 1. Returns the warp's number of candidates in cand (at most cap).
+template <bool UNIT>
+__device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float temperature,
+                                int begin, int end, int top_k, int cap, bool vectorized,
+                                uint64_t* cand, uint4* hit_vec, int32_t* hit_token, uint32_t* hist,
+                                unsigned long long* block_threshold, bool first_threshold,
+                                uint32_t* warp_bound, float& m, float& s, float& infs) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int j = (top_k + TOPK_WARPS - 1) / TOPK_WARPS;
   uint4 cur[UNROLL], nxt[UNROLL];
@@ -459,6 +580,7 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
     __syncthreads();
     ddtree_raise_threshold(warp_bound, block_threshold, 0);
   }
+  int count = 0, nh = 0;
   // This lane's first vector of the next step (read only where the step is whole and the row
   // 16-byte aligned), advanced one step per iteration.
   const uint4* next_vectors = reinterpret_cast<const uint4*>(src + begin + DDTREE_STEP) + lane;
@@ -467,55 +589,52 @@ __device__ void ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float t
       // An interior step (the common case): every vector whole, no bounds to check.
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) nxt[u] = __ldg(next_vectors + u * 32);
+      if (start + (TOPK_PREFETCH + 1) * DDTREE_STEP <= end) {
+        // Ask L2 for the step TOPK_PREFETCH steps ahead, so that its loads wait on L2 only.
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(next_vectors +
+                                                        (TOPK_PREFETCH - 1) * 32 * UNROLL +
+                                                        u * 32));
+        }
+      }
     } else if (start + DDTREE_STEP < end) {
       ddtree_load_step(nxt, src, start + DDTREE_STEP, end, vectorized);
     }
-    __syncwarp();  // every lane's appends of the last step are visible
-    const int buffered = *reinterpret_cast<volatile int*>(count);
-    if (buffered > min(cap - DDTREE_STEP, 2 * top_k)) {
-      // Not room for a whole step, or twice top_k buffered (an early raise admits fewer
-      // entries later): keep about the top_k largest and raise the block threshold.
-      // cap = top_k + 2 * STEP, so buffered > top_k and at most cap - STEP remain.
-      uint64_t raised;
-      const int kept =
-          ddtree_warp_shrink(cand, buffered, top_k, cap - DDTREE_STEP, hist, &raised);
-      const uint32_t held = (uint32_t)(ddtree_warp_select(cand, kept, j, false, hist) >> 32);
-      if (lane == 0) {
-        *count = kept;
-        warp_bound[warp] = max(warp_bound[warp], held);
-      }
-      __syncwarp();
-      ddtree_raise_threshold(warp_bound, block_threshold, raised);
-    }
-    // Candidates: x at or above the threshold's value (a superset of the composites at or above
-    // it). The floor's value is -FLT_MAX, so -inf and NaN never pass.
-    const float floor_value = ddtree_key_to_float(
-        (uint32_t)(*reinterpret_cast<volatile unsigned long long*>(block_threshold) >> 32));
+    // A vector whose largest entry reaches the threshold is a hit: its lane stores the raw
+    // vector for a later warp-wide expansion (one shared store instead of a divergent loop).
+    const float floor_value = ddtree_threshold_value(block_threshold);
+    float x[UNROLL][DDTREE_VEC], vmax[UNROLL];
+    float smax = -DDTREE_INF;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      float x[DDTREE_VEC];
-      const float vmax = ddtree_scaled_vector<UNIT>(cur[u], temperature, x);
-      ddtree_vector_stats(x, vmax, m, s, infs);
-      if (vmax >= floor_value) {
-        uint32_t bits = 0;
+      vmax[u] = ddtree_scaled_vector<UNIT>(cur[u], temperature, x[u]);
+      smax = fmaxf(smax, vmax[u]);
+    }
+    ddtree_step_stats(x, smax, m, s, infs);
+    if (__ballot_sync(DDTREE_FULL, smax >= floor_value) != 0u) {
 #pragma unroll
-        for (int k = 0; k < DDTREE_VEC; ++k) bits |= (x[k] >= floor_value ? 1u : 0u) << k;
-        int slot = atomicAdd(count, __popc(bits));
-        const uint32_t token0 = (uint32_t)(start + (u * 32 + lane) * DDTREE_VEC);
-        // Usually one entry passes: loop over the set bits only (the entry is re-read from the
-        // raw vector, which a dynamic index into x[] would have sent to local memory).
-        while (bits != 0u) {
-          const int k = __ffs(bits) - 1;
-          bits &= bits - 1u;
-          const float f = ddtree_vector_element(cur[u], k);
-          cand[slot++] = ddtree_composite(UNIT ? f : f / temperature, token0 + k);
+      for (int u = 0; u < UNROLL; ++u) {
+        const bool hit = vmax[u] >= floor_value;
+        const uint32_t ballot = __ballot_sync(DDTREE_FULL, hit);
+        if (hit) {
+          const int at = nh + __popc(ballot & ddtree_lanes_below());
+          hit_vec[at] = cur[u];
+          hit_token[at] = start + (u * 32 + lane) * DDTREE_VEC;
         }
+        nh += __popc(ballot);
       }
+    }
+    if (nh >= 32) {
+      count = ddtree_expand_hits<UNIT>(hit_vec, hit_token, nh, temperature, cand, count, cap,
+                                       top_k, j, hist, warp_bound, block_threshold);
+      nh = 0;
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) cur[u] = nxt[u];
   }
-  __syncwarp();
+  return ddtree_expand_hits<UNIT>(hit_vec, hit_token, nh, temperature, cand, count, cap, top_k,
+                                  j, hist, warp_bound, block_threshold);
 }
 
 extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) ddtree_build_topk(
@@ -524,10 +643,11 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
     int32_t vectorized,
     uint64_t* __restrict__ part_keys,  // [rows, num_chunks * TOPK_WARPS, top_k]
     float* __restrict__ part_stats) {  // [rows, num_chunks * TOPK_WARPS, 3]: max, sum, +inf count
-  extern __shared__ uint64_t smem[];   // [TOPK_WARPS, cap] candidate buffers
+  // [TOPK_WARPS, cap] candidate buffers, [TOPK_WARPS, DDTREE_HITS] hit vectors and their
+  // [TOPK_WARPS, DDTREE_HITS] first tokens.
+  extern __shared__ uint64_t smem[];
   __shared__ unsigned long long threshold;
   __shared__ uint32_t warp_bound[TOPK_WARPS];  // see the file comment; 0: none yet
-  __shared__ int counts[TOPK_WARPS];
   __shared__ uint32_t hist[TOPK_WARPS][256];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunk = blockIdx.x;
@@ -537,27 +657,28 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   const int end = min(vocab, begin + slice);
   const ddtree_logit_t* src = logits + row * (int64_t)vocab;
   uint64_t* cand = smem + warp * (int64_t)cap;
+  uint4* hit_vecs = reinterpret_cast<uint4*>(smem + TOPK_WARPS * (int64_t)cap);
+  uint4* hit_vec = hit_vecs + warp * DDTREE_HITS;
+  int32_t* hit_token =
+      reinterpret_cast<int32_t*>(hit_vecs + TOPK_WARPS * DDTREE_HITS) + warp * DDTREE_HITS;
   if (threadIdx.x == 0) threshold = DDTREE_FINITE_FLOOR;
   // Block-uniform: every warp has a whole first step, and j = ceil(K / warps) vectors of it.
   const bool first_threshold = (top_k + TOPK_WARPS - 1) / TOPK_WARPS <= 32 * UNROLL &&
                                slice >= DDTREE_STEP &&
                                chunk * span + (TOPK_WARPS - 1) * slice + DDTREE_STEP <= vocab;
-  if (lane == 0) {
-    counts[warp] = 0;
-    warp_bound[warp] = 0;
-  }
+  if (lane == 0) warp_bound[warp] = 0;
   __syncthreads();
   float m = -DDTREE_INF, s = 0.0f, infs = 0.0f;
+  int count;
   if (temperature == 1.0f) {
-    ddtree_topk_warp<true>(src, temperature, begin, end, top_k, cap, vectorized != 0, cand,
-                           &counts[warp], hist[warp], &threshold, first_threshold, warp_bound, m,
-                           s, infs);
+    count = ddtree_topk_warp<true>(src, temperature, begin, end, top_k, cap, vectorized != 0,
+                                   cand, hit_vec, hit_token, hist[warp], &threshold,
+                                   first_threshold, warp_bound, m, s, infs);
   } else {
-    ddtree_topk_warp<false>(src, temperature, begin, end, top_k, cap, vectorized != 0, cand,
-                            &counts[warp], hist[warp], &threshold, first_threshold, warp_bound, m,
-                            s, infs);
+    count = ddtree_topk_warp<false>(src, temperature, begin, end, top_k, cap, vectorized != 0,
+                                    cand, hit_vec, hit_token, hist[warp], &threshold,
+                                    first_threshold, warp_bound, m, s, infs);
   }
-  int count = counts[warp];
   if (count > top_k) {
     uint64_t raised;
     count = ddtree_warp_shrink(cand, count, top_k, top_k, hist[warp], &raised);
@@ -595,7 +716,8 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
     float* __restrict__ topk_lp,              // [rows, top_k]
     int32_t* __restrict__ topk_tok,           // [rows, top_k]
     int32_t* __restrict__ topk_count) {       // [rows]
-  extern __shared__ uint64_t smem[];  // [num_parts * top_k] candidates, then [sort_size] sorted
+  // [num_parts * top_k] candidates, then [2 * sort_size] sorted
+  extern __shared__ uint64_t smem[];
   __shared__ float scratch[32];
   __shared__ int found, counter;
   __shared__ unsigned long long cut;
@@ -609,7 +731,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
     found = 0;
     counter = 0;
   }
-  for (int i = tid; i < sort_size; i += MERGE_THREADS) sorted[i] = 0;
+  for (int i = tid; i < 2 * sort_size; i += MERGE_THREADS) sorted[i] = 0;
   __syncthreads();
   // Gather the real candidates (every real composite is above DDTREE_FINITE_FLOOR > 0).
   const uint64_t* src = part_keys + row * (int64_t)n_all;
@@ -639,22 +761,26 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
   const float row_sum = ddtree_block_reduce_sum(s, scratch);
   const float row_inf = ddtree_block_reduce_sum(inf, scratch);  // its barriers publish `found`
   const int n = found;
-  // The top_k largest (warp 0 finds the k-th): all of them when there are no more (the rest of
-  // `sorted` stays 0).
-  if (tid < 32) {
-    const uint64_t t = n > top_k ? ddtree_warp_select(cand, n, top_k, true, hist) : 0;
-    if (tid == 0) cut = t;
-  }
-  __syncthreads();
-  for (int i = tid; i < n; i += MERGE_THREADS) {
-    const uint64_t v = cand[i];
-    if (v >= cut) {
-      const int pos = atomicAdd(&counter, 1);
-      if (pos < sort_size) sorted[pos] = v;
+  if (n <= 2 * sort_size) {
+    // Few enough to sort them all (the usual case): the top_k largest lead the sorted list, and
+    // the rest of `sorted` stays 0.
+    for (int i = tid; i < n; i += MERGE_THREADS) sorted[i] = cand[i];
+    __syncthreads();
+    ddtree_bitonic_desc(sorted, n <= sort_size ? sort_size : 2 * sort_size);
+  } else {
+    // The top_k largest (warp 0 finds the k-th), then their sort.
+    if (tid < 32) {
+      const uint64_t t = ddtree_warp_select(cand, n, top_k, true, hist);
+      if (tid == 0) cut = t;
     }
+    __syncthreads();
+    for (int i = tid; i < n; i += MERGE_THREADS) {
+      const uint64_t v = cand[i];
+      if (v >= cut) sorted[atomicAdd(&counter, 1)] = v;  // exactly top_k are >= cut
+    }
+    __syncthreads();
+    ddtree_bitonic_desc(sorted, sort_size);
   }
-  __syncthreads();
-  ddtree_bitonic_desc(sorted, sort_size);
   ddtree_write_row(sorted, row, top_k, vocab, row_max, logf(row_sum), row_inf, scratch, topk_lp,
                    topk_tok, topk_count);
 }
@@ -908,23 +1034,32 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
       }
     }
     __syncwarp();
-    if (lane == owner) {
+    // The owner's new best: the whole warp reads the owner's slots (owner + 32 * lane) and
+    // reduces them like a pop, instead of the owner rescanning them one after another.
+    const int sl = owner + 32 * lane;
+    uint32_t k = 0u, i = 0u;
+    uint64_t l = 0ull;
+    if (sl < size) {
+      k = slot_key[sl];
+      l = slot_lex[sl];
+      i = slot_info[sl];
+    }
+    const uint32_t again = __reduce_max_sync(DDTREE_FULL, k);
+    if (again != 0u) {
+      uint32_t again_info;
+      const int who = ddtree_pop_owner(again, k, l, i, node_parent, node_rank, &again_info);
+      const uint64_t again_lex = __shfl_sync(DDTREE_FULL, l, who);
+      if (lane == owner) {
+        best_key = again;
+        best_lex = again_lex;
+        best_info = again_info;
+        best_slot = owner + 32 * who;
+      }
+    } else if (lane == owner) {
       best_key = 0;
       best_slot = -1;
-      for (int sl = lane; sl < size; sl += 32) {
-        const uint32_t k = slot_key[sl];
-        if (k == 0u) continue;
-        const uint64_t l = slot_lex[sl];
-        const uint32_t i = slot_info[sl];
-        if (best_slot < 0 ||
-            ddtree_cand_better(k, l, i, best_key, best_lex, best_info, node_parent, node_rank)) {
-          best_key = k;
-          best_lex = l;
-          best_info = i;
-          best_slot = sl;
-        }
-      }
-    } else if (fresh >= 0 && lane == (fresh & 31)) {
+    }
+    if (fresh >= 0 && lane == (fresh & 31) && lane != owner) {
       if (best_slot < 0 || ddtree_cand_better(sibling.key, sibling.lex, sibling.info, best_key,
                                               best_lex, best_info, node_parent, node_rank)) {
         best_key = sibling.key;
@@ -937,59 +1072,139 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
   return popped;
 }
 
-// The same pops with the frontier in registers: slot g is register g / 32 of lane g % 32, and
-// every lane recomputes its best per pop (unrolled over SELECT_REGS registers) instead of loading
-// slots from shared memory. budget <= 32 * SELECT_REGS (the frontier never exceeds the budget).
-__device__ __noinline__ int ddtree_select_pops_registers(int budget, int draft_len, int top_k,
-                                                         const float* lp, const int* counts,
-                                                         int16_t* node_parent, int16_t* node_rank,
-                                                         int8_t* node_depth, float* node_score) {
+// A register frontier slot: the candidate (key 0: none), its parent's score, and the keys of
+// its own first child and next sibling, computed when it enters the frontier so that popping it
+// needs no memory access on the path to the next pop.
+struct ddtree_reg_slot {
+  ddtree_cand cand;
+  float parent_score;
+  uint32_t child_key, sibling_key;
+};
+
+// The register slot of a candidate at `depth` (1-based) with the given rank, score key and
+// parent score (see ddtree_reg_slot).
+__device__ __forceinline__ ddtree_reg_slot ddtree_make_slot(uint32_t key, int parent, int rank,
+                                                            int depth, uint64_t lex,
+                                                            float parent_score, int draft_len,
+                                                            int top_k, const float* lp,
+                                                            const int* counts) {
+  const float score = ddtree_key_to_float(key);
+  ddtree_reg_slot slot;
+  slot.cand = {key, ddtree_pack_slot(parent, rank, depth), lex};
+  slot.parent_score = parent_score;
+  slot.child_key = depth < draft_len && counts[depth] > 0
+                       ? ddtree_order_key(score + lp[depth * top_k] + 0.0f)
+                       : 0u;
+  slot.sibling_key = rank + 1 < counts[depth - 1]
+                         ? ddtree_order_key(parent_score + lp[(depth - 1) * top_k + rank + 1] +
+                                            0.0f)
+                         : 0u;
+  return slot;
+}
+
+// The same pops with the frontier in registers: slot g is register g / 32 of lane g % 32.
+// budget <= 32 * SELECT_REGS (the frontier never exceeds the budget). A pop is a warp max of
+// the lanes' largest keys; when one slot of the warp holds it (the common case) its lane
+// broadcasts the slot, whose children's keys are already known; exact ties take the general
+// order (ddtree_cand_better, ddtree_pop_owner). Register masks rather than index compares pick
+// slots: the compiler keeps them as selects on registers instead of moving `slot` to local
+// memory.
+__device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draft_len, int top_k,
+                                                            const float* lp, const int* counts,
+                                                            int16_t* node_parent,
+                                                            int16_t* node_rank,
+                                                            int8_t* node_depth,
+                                                            float* node_score) {
   const int lane = threadIdx.x & 31;
   const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
-  ddtree_cand slot[SELECT_REGS];
+  ddtree_reg_slot slot[SELECT_REGS];
 #pragma unroll
-  for (int r = 0; r < SELECT_REGS; ++r) slot[r] = {0u, 0u, 0ull};
-  if (lane == 0) slot[0] = ddtree_first_cand(lp, counts, bits);  // slot 0
+  for (int r = 0; r < SELECT_REGS; ++r) slot[r] = {{0u, 0u, 0ull}, 0.0f, 0u, 0u};
+  if (lane == 0) {  // slot 0: the best depth-1 token
+    const uint32_t key = counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u;
+    slot[0] = ddtree_make_slot(key, 0, 0, 1, ddtree_lex_extend(0, 0, 1, bits), 0.0f, draft_len,
+                               top_k, lp, counts);
+  }
   int size = 1, popped = 0;
   while (popped < budget) {
-    ddtree_cand best = {0u, 0u, 0ull};
-    int best_reg = -1;
+    uint32_t mine = 0u;
 #pragma unroll
-    for (int r = 0; r < SELECT_REGS; ++r) {
-      if (slot[r].key != 0u &&
-          (best_reg < 0 || ddtree_cand_better(slot[r].key, slot[r].lex, slot[r].info, best.key,
-                                              best.lex, best.info, node_parent, node_rank))) {
-        best = slot[r];
-        best_reg = r;
-      }
-    }
-    const uint32_t top = __reduce_max_sync(DDTREE_FULL, best.key);
+    for (int r = 0; r < SELECT_REGS; ++r) mine = max(mine, slot[r].cand.key);
+    const uint32_t top = __reduce_max_sync(DDTREE_FULL, mine);
     if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
-    uint32_t info;
-    const int owner =
-        ddtree_pop_owner(top, best.key, best.lex, best.info, node_parent, node_rank, &info);
-    const uint64_t lex = __shfl_sync(DDTREE_FULL, best.lex, owner);
+    uint32_t at_top = 0u;  // this lane's slots holding the top key
+#pragma unroll
+    for (int r = 0; r < SELECT_REGS; ++r) at_top |= (slot[r].cand.key == top ? 1u : 0u) << r;
+    const uint32_t lanes = __ballot_sync(DDTREE_FULL, at_top != 0u);
+    const uint32_t several = __ballot_sync(DDTREE_FULL, (at_top & (at_top - 1u)) != 0u);
+    int owner;
+    uint32_t pick;  // the owner's popped slot, as a register mask
+    if ((lanes & (lanes - 1u)) == 0u && several == 0u) {
+      owner = __ffs(lanes) - 1;
+      pick = at_top;
+    } else {
+      // An exact score tie: this lane's best slot by the whole order, then the warp's.
+      __syncwarp();  // the node tables the tie-break walks are complete
+      ddtree_cand lane_best = {0u, 0u, 0ull};
+      int best = -1;
+#pragma unroll
+      for (int r = 0; r < SELECT_REGS; ++r) {
+        const ddtree_cand c = slot[r].cand;
+        if (c.key != 0u && (best < 0 || ddtree_cand_better(c.key, c.lex, c.info, lane_best.key,
+                                                           lane_best.lex, lane_best.info,
+                                                           node_parent, node_rank))) {
+          lane_best = c;
+          best = r;
+        }
+      }
+      uint32_t info;
+      owner = ddtree_pop_owner(top, lane_best.key, lane_best.lex, lane_best.info, node_parent,
+                               node_rank, &info);
+      pick = best >= 0 ? 1u << best : 0u;
+    }
+    ddtree_reg_slot won = slot[0];
+#pragma unroll
+    for (int r = 1; r < SELECT_REGS; ++r) {
+      if (pick & (1u << r)) won = slot[r];
+    }
+    const uint32_t info = __shfl_sync(DDTREE_FULL, won.cand.info, owner);
+    const uint64_t lex = __shfl_sync(DDTREE_FULL, won.cand.lex, owner);
+    const float parent_score = __shfl_sync(DDTREE_FULL, won.parent_score, owner);
+    const uint32_t child_key = __shfl_sync(DDTREE_FULL, won.child_key, owner);
+    const uint32_t sibling_key = __shfl_sync(DDTREE_FULL, won.sibling_key, owner);
+    const float score = ddtree_key_to_float(top);
+    const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
     ++popped;
-    ddtree_cand child, sibling;
-    ddtree_pop_expand(popped, top, info, lex, popped == budget, draft_len, top_k, bits, lp,
-                      counts, node_parent, node_rank, node_depth, node_score, child, sibling);
+    if (lane == 0) {
+      node_parent[popped] = (int16_t)parent;
+      node_rank[popped] = (int16_t)rank;
+      node_depth[popped] = (int8_t)depth;
+      node_score[popped] = score;
+    }
     if (popped == budget) break;
     // The popped slot takes the first child, else the next sibling; a fresh slot takes the
-    // sibling when there are both. (Register masks rather than index compares: the compiler
-    // keeps these as selects on registers instead of moving `slot` to local memory.)
-    const uint32_t popped_reg = lane == owner ? 1u << best_reg : 0u;
+    // sibling when there are both.
+    const ddtree_reg_slot child =
+        ddtree_make_slot(child_key, popped, 0, depth + 1, ddtree_lex_extend(lex, 0, depth + 1, bits),
+                         score, draft_len, top_k, lp, counts);
+    const ddtree_reg_slot sibling =
+        ddtree_make_slot(sibling_key, parent, rank + 1, depth,
+                         ddtree_lex_next_sibling(lex, depth, bits), parent_score, draft_len,
+                         top_k, lp, counts);
+    const uint32_t popped_reg = lane == owner ? pick : 0u;
     uint32_t fresh_reg = 0u;
-    if (child.key != 0u && sibling.key != 0u) {
+    if (child_key != 0u && sibling_key != 0u) {
       const int fresh = size++;
       fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
     }
-    const ddtree_cand put = child.key != 0u ? child : sibling;
+    const bool take_child = child_key != 0u;
 #pragma unroll
     for (int r = 0; r < SELECT_REGS; ++r) {
-      if (popped_reg & (1u << r)) slot[r] = put;
+      if (popped_reg & (1u << r)) slot[r] = take_child ? child : sibling;
       if (fresh_reg & (1u << r)) slot[r] = sibling;
     }
   }
+  __syncwarp();  // the node tables are complete
   return popped;
 }
 

@@ -388,13 +388,7 @@ class ChannelDevice:
         )
         self.plan = plan
         # The RPC path's variant macros (tree_cuda._build_kernel), plus the channel's op.
-        defines = {
-            "DDTREE_CHANNEL_OP": 1,
-            "DDTREE_DTYPE": shape.logit_code,
-            "TOPK_WARPS": plan.warps,
-            "UNROLL": plan.unroll,
-            "TOPK_MIN_BLOCKS": plan.min_blocks,
-        }
+        defines = {"DDTREE_CHANNEL_OP": 1, "DDTREE_DTYPE": shape.logit_code, **plan.defines}
         self._topk = jit.get_kernel("channel.cu", "ddtree_channel_build_topk", defines, index)
         self._merge = jit.get_kernel("channel.cu", "ddtree_channel_build_merge", defines, index)
         self._select = jit.get_kernel("channel.cu", "ddtree_channel_build_select", defines, index)

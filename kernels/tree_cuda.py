@@ -38,10 +38,12 @@ __all__ = [
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TOPK_WARPS = (8, 4, 2, 1)
 """Warps per ``ddtree_build_topk`` block (``TOPK_WARPS``): 8, fewer where shared memory is short."""
-_TOPK_UNROLL = 2
+_TOPK_UNROLL = 4
 """16-byte loads per lane and step (``UNROLL`` in build_tree.cu)."""
 _TOPK_MIN_BLOCKS = 2
 """Blocks of ``ddtree_build_topk`` resident per SM that its ``__launch_bounds__`` asks for."""
+_TOPK_MIN_SHRINK = 512
+"""A warp shrinks its candidate buffer once it holds more than ``max(2 * top_k, 512)``."""
 _MERGE_THREADS = 256
 _SELECT_THREADS = 128
 _ACCEPT_THREADS = 256
@@ -84,9 +86,9 @@ class BuildTreePlan:
     num_parts: int
     """Candidate lists per row handed to the merge, ``num_chunks * warps``."""
     cap: int
-    """Capacity of a warp's candidate buffer, ``top_k + 2 * step`` where a step is
-    ``32 * unroll`` vectors of ``16 / element_size`` entries: a whole step's candidates always
-    fit after a shrink."""
+    """Capacity of a warp's candidate buffer, ``max(2 * top_k, 512) + 32 * (16 /
+    element_size)``: the warp shrinks it to at most ``2 * top_k`` before a round of hit
+    expansion (32 vectors, at most ``32 * (16 / element_size)`` entries) could overflow it."""
     sort_size: int
     """Power of two >= top_k, the bitonic sort width."""
     lp_in_smem: bool
@@ -94,6 +96,16 @@ class BuildTreePlan:
     topk: jit.LaunchParams
     merge: jit.LaunchParams
     select: jit.LaunchParams
+
+    @property
+    def defines(self) -> dict[str, int]:
+        """The top-k variant's macros for build_tree.cu (every build kernel is compiled with
+        them, so that the launches of one plan agree)."""
+        return {
+            "TOPK_WARPS": self.warps,
+            "UNROLL": self.unroll,
+            "TOPK_MIN_BLOCKS": self.min_blocks,
+        }
 
 
 @functools.lru_cache(maxsize=256)
@@ -146,9 +158,12 @@ def build_tree_plan(
         )
     vec = 16 // element_size
     step = 32 * unroll * vec
-    cap = top_k + 2 * step
+    # Per warp: its candidates (see BuildTreePlan.cap) and its hit vectors not yet expanded (16
+    # bytes and a 4-byte first token each).
+    cap = max(2 * top_k, _TOPK_MIN_SHRINK) + 32 * vec
+    hits = 32 * (unroll + 1)
     for warps in _TOPK_WARPS:
-        topk_smem = warps * cap * 8
+        topk_smem = warps * (cap * 8 + hits * 20)
         if topk_smem <= max_smem_bytes:
             break
     else:
@@ -173,7 +188,7 @@ def build_tree_plan(
     # enough to fill the slots, with at most _MAX_PARTS candidate lists per row for the merge.
     # Never more than the merge's shared memory (all parts' candidates of a row) holds.
     chunks = max(1, min((num_sms * resident) // rows, _MAX_PARTS // warps))
-    fit = (max_smem_bytes // 8 - sort_size) // (top_k * warps)
+    fit = (max_smem_bytes // 8 - 2 * sort_size) // (top_k * warps)
     if fit < 1:
         raise ValueError(
             f"max_budget: {max_budget} needs more merge shared memory than the "
@@ -183,7 +198,7 @@ def build_tree_plan(
     span = -(-tiles // chunks) * tile
     num_chunks = -(-vocab_size // span)
     num_parts = num_chunks * warps
-    merge_smem = (num_parts * top_k + sort_size) * 8
+    merge_smem = (num_parts * top_k + 2 * sort_size) * 8
     lp_bytes = draft_len * top_k * 4
     lp_in_smem = lp_bytes <= max_smem_bytes
     return BuildTreePlan(
@@ -232,15 +247,9 @@ def commit_kv_launch_params(batch_size: int, row_bytes: int) -> jit.LaunchParams
 
 @functools.cache
 def _build_kernel(
-    entry: str, dtype_code: int, plan_defines: tuple[int, int, int], index: int
+    entry: str, dtype_code: int, plan_defines: tuple[tuple[str, int], ...], index: int
 ) -> Any:
-    warps, unroll, min_blocks = plan_defines
-    defines = {
-        "DDTREE_DTYPE": dtype_code,
-        "TOPK_WARPS": warps,
-        "UNROLL": unroll,
-        "TOPK_MIN_BLOCKS": min_blocks,
-    }
+    defines = {"DDTREE_DTYPE": dtype_code, **dict(plan_defines)}
     kernel = jit.get_kernel("build_tree.cu", entry, defines, index)
     # Allow the largest dynamic size once (static shared memory stays under 36 KiB), so any
     # smaller size of a later launch fits too.
@@ -350,7 +359,7 @@ def build_tree(
     log_probs = torch.empty(batch_size, num_nodes_max, dtype=torch.float32, device=device)
     num_nodes = torch.empty(batch_size, dtype=torch.int32, device=device)
     mask = torch.empty(batch_size, num_nodes_max, words, dtype=torch.int64, device=device)
-    variant = (plan.warps, plan.unroll, plan.min_blocks)
+    variant = tuple(plan.defines.items())
 
     with torch.cuda.device(index):
         jit.launch(

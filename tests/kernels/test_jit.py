@@ -162,14 +162,22 @@ def test_build_tree_plan_covers_the_vocabulary(
     assert plan.num_parts == plan.num_chunks * plan.warps
     # Rows are split only while they do not fill the GPU, into at most 32 lists for the merge.
     assert plan.num_chunks == 1 or plan.num_parts <= 32
-    # After a shrink a whole step of candidates (32 lanes' vectors) still fits.
-    assert plan.cap == plan.top_k + 2 * plan.tile // plan.warps
+    # After a shrink (at most 2 * top_k kept) one round of 32 expanded hit vectors still fits.
+    assert plan.cap == max(2 * plan.top_k, 512) + 32 * 8
     assert plan.sort_size >= plan.top_k and plan.sort_size & (plan.sort_size - 1) == 0
+    # Every build kernel of a plan is compiled with the same variant macros.
+    assert plan.defines == {
+        "TOPK_WARPS": plan.warps,
+        "UNROLL": plan.unroll,
+        "TOPK_MIN_BLOCKS": plan.min_blocks,
+    }
     assert plan.topk.grid == (plan.num_chunks, rows, 1)
     assert plan.topk.block == (plan.warps * 32, 1, 1)
-    assert plan.topk.shared_mem_bytes == plan.warps * plan.cap * 8
+    # Candidates, then the hit vectors (16 bytes) and their first tokens (4 bytes).
+    hits = 32 * (plan.unroll + 1)
+    assert plan.topk.shared_mem_bytes == plan.warps * (plan.cap * 8 + hits * 20)
     assert plan.merge.grid == (rows, 1, 1)
-    assert plan.merge.shared_mem_bytes == (plan.num_parts * plan.top_k + plan.sort_size) * 8
+    assert plan.merge.shared_mem_bytes == (plan.num_parts * plan.top_k + 2 * plan.sort_size) * 8
     assert plan.select.grid == (batch_size, 1, 1)
     lp_table = draft_len * plan.top_k * 4 if plan.lp_in_smem else 0
     assert plan.select.shared_mem_bytes == lp_table
