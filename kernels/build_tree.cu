@@ -38,10 +38,9 @@
 //    score ties compare rank tuples lexicographically through a packed prefix of the tuple
 //    (`bits` per depth, rank + 1, 0 past the node's depth), so a tie costs a few word compares,
 //    and deeper ties walk the popped nodes' parents. The popped slot takes the node's first child
-//    and a fresh slot its next sibling. Up to 32 * SELECT_REGS candidates the slots live in
-//    registers (SELECT_REGS per lane, each with the keys of its own first child and next
-//    sibling computed when it enters, so that a pop waits on no memory); beyond that in shared
-//    memory, where each lane keeps the best of its slots in registers and only the lanes that
+//    and a fresh slot its next sibling. For budgets up to 96 the slots live in registers (two
+//    or three per lane, each with the keys of its own first child and next sibling computed
+//    when it enters, so that a pop waits on no memory); beyond that in shared memory, where each lane keeps the best of its slots in registers and only the lanes that
 //    own a changed slot rescan. Shared memory: the popped nodes, plus the per-depth log-prob
 //    table when it fits.
 //
@@ -69,9 +68,6 @@
 #endif
 #ifndef SELECT_THREADS
 #define SELECT_THREADS 128
-#endif
-#ifndef SELECT_REGS
-#define SELECT_REGS 3
 #endif
 
 #define DDTREE_FULL 0xFFFFFFFFu
@@ -1072,11 +1068,11 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
   return popped;
 }
 
-// A register frontier slot: the candidate (key 0: none), its parent's score, and the keys of
-// its own first child and next sibling, computed when it enters the frontier so that popping it
-// needs no memory access on the path to the next pop.
+// A register frontier slot: the candidate (score key, 0: none; packed parent, rank, depth), its
+// parent's score, and the keys of its own first child and next sibling, computed when it enters
+// the frontier so that popping it needs no memory access on the path to the next pop.
 struct ddtree_reg_slot {
-  ddtree_cand cand;
+  uint32_t key, info;
   float parent_score;
   uint32_t child_key, sibling_key;
 };
@@ -1084,13 +1080,13 @@ struct ddtree_reg_slot {
 // The register slot of a candidate at `depth` (1-based) with the given rank, score key and
 // parent score (see ddtree_reg_slot).
 __device__ __forceinline__ ddtree_reg_slot ddtree_make_slot(uint32_t key, int parent, int rank,
-                                                            int depth, uint64_t lex,
-                                                            float parent_score, int draft_len,
-                                                            int top_k, const float* lp,
-                                                            const int* counts) {
+                                                            int depth, float parent_score,
+                                                            int draft_len, int top_k,
+                                                            const float* lp, const int* counts) {
   const float score = ddtree_key_to_float(key);
   ddtree_reg_slot slot;
-  slot.cand = {key, ddtree_pack_slot(parent, rank, depth), lex};
+  slot.key = key;
+  slot.info = ddtree_pack_slot(parent, rank, depth);
   slot.parent_score = parent_score;
   slot.child_key = depth < draft_len && counts[depth] > 0
                        ? ddtree_order_key(score + lp[depth * top_k] + 0.0f)
@@ -1102,13 +1098,15 @@ __device__ __forceinline__ ddtree_reg_slot ddtree_make_slot(uint32_t key, int pa
   return slot;
 }
 
-// The same pops with the frontier in registers: slot g is register g / 32 of lane g % 32.
-// budget <= 32 * SELECT_REGS (the frontier never exceeds the budget). A pop is a warp max of
+// The same pops with the frontier in registers: slot g is register g / 32 of lane g % 32, REGS
+// per lane, budget <= 32 * REGS (the frontier never exceeds the budget). A pop is a warp max of
 // the lanes' largest keys; when one slot of the warp holds it (the common case) its lane
-// broadcasts the slot, whose children's keys are already known; exact ties take the general
-// order (ddtree_cand_better, ddtree_pop_owner). Register masks rather than index compares pick
+// broadcasts the slot, whose children's keys are already known; exact ties are rare and take
+// the general order by walking the popped nodes' parents (ddtree_cand_better and
+// ddtree_pop_owner with no packed prefixes). Register masks rather than index compares pick
 // slots: the compiler keeps them as selects on registers instead of moving `slot` to local
 // memory.
+template <int REGS>
 __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draft_len, int top_k,
                                                             const float* lp, const int* counts,
                                                             int16_t* node_parent,
@@ -1116,25 +1114,23 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
                                                             int8_t* node_depth,
                                                             float* node_score) {
   const int lane = threadIdx.x & 31;
-  const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
-  ddtree_reg_slot slot[SELECT_REGS];
+  ddtree_reg_slot slot[REGS];
 #pragma unroll
-  for (int r = 0; r < SELECT_REGS; ++r) slot[r] = {{0u, 0u, 0ull}, 0.0f, 0u, 0u};
+  for (int r = 0; r < REGS; ++r) slot[r] = {0u, 0u, 0.0f, 0u, 0u};
   if (lane == 0) {  // slot 0: the best depth-1 token
     const uint32_t key = counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u;
-    slot[0] = ddtree_make_slot(key, 0, 0, 1, ddtree_lex_extend(0, 0, 1, bits), 0.0f, draft_len,
-                               top_k, lp, counts);
+    slot[0] = ddtree_make_slot(key, 0, 0, 1, 0.0f, draft_len, top_k, lp, counts);
   }
   int size = 1, popped = 0;
   while (popped < budget) {
     uint32_t mine = 0u;
 #pragma unroll
-    for (int r = 0; r < SELECT_REGS; ++r) mine = max(mine, slot[r].cand.key);
+    for (int r = 0; r < REGS; ++r) mine = max(mine, slot[r].key);
     const uint32_t top = __reduce_max_sync(DDTREE_FULL, mine);
     if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
     uint32_t at_top = 0u;  // this lane's slots holding the top key
 #pragma unroll
-    for (int r = 0; r < SELECT_REGS; ++r) at_top |= (slot[r].cand.key == top ? 1u : 0u) << r;
+    for (int r = 0; r < REGS; ++r) at_top |= (slot[r].key == top ? 1u : 0u) << r;
     const uint32_t lanes = __ballot_sync(DDTREE_FULL, at_top != 0u);
     const uint32_t several = __ballot_sync(DDTREE_FULL, (at_top & (at_top - 1u)) != 0u);
     int owner;
@@ -1145,30 +1141,28 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
     } else {
       // An exact score tie: this lane's best slot by the whole order, then the warp's.
       __syncwarp();  // the node tables the tie-break walks are complete
-      ddtree_cand lane_best = {0u, 0u, 0ull};
+      uint32_t best_key = 0u, best_info = 0u;
       int best = -1;
 #pragma unroll
-      for (int r = 0; r < SELECT_REGS; ++r) {
-        const ddtree_cand c = slot[r].cand;
-        if (c.key != 0u && (best < 0 || ddtree_cand_better(c.key, c.lex, c.info, lane_best.key,
-                                                           lane_best.lex, lane_best.info,
-                                                           node_parent, node_rank))) {
-          lane_best = c;
+      for (int r = 0; r < REGS; ++r) {
+        if (slot[r].key != 0u &&
+            (best < 0 || ddtree_cand_better(slot[r].key, 0ull, slot[r].info, best_key, 0ull,
+                                            best_info, node_parent, node_rank))) {
+          best_key = slot[r].key;
+          best_info = slot[r].info;
           best = r;
         }
       }
       uint32_t info;
-      owner = ddtree_pop_owner(top, lane_best.key, lane_best.lex, lane_best.info, node_parent,
-                               node_rank, &info);
+      owner = ddtree_pop_owner(top, best_key, 0ull, best_info, node_parent, node_rank, &info);
       pick = best >= 0 ? 1u << best : 0u;
     }
     ddtree_reg_slot won = slot[0];
 #pragma unroll
-    for (int r = 1; r < SELECT_REGS; ++r) {
+    for (int r = 1; r < REGS; ++r) {
       if (pick & (1u << r)) won = slot[r];
     }
-    const uint32_t info = __shfl_sync(DDTREE_FULL, won.cand.info, owner);
-    const uint64_t lex = __shfl_sync(DDTREE_FULL, won.cand.lex, owner);
+    const uint32_t info = __shfl_sync(DDTREE_FULL, won.info, owner);
     const float parent_score = __shfl_sync(DDTREE_FULL, won.parent_score, owner);
     const uint32_t child_key = __shfl_sync(DDTREE_FULL, won.child_key, owner);
     const uint32_t sibling_key = __shfl_sync(DDTREE_FULL, won.sibling_key, owner);
@@ -1184,13 +1178,10 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
     if (popped == budget) break;
     // The popped slot takes the first child, else the next sibling; a fresh slot takes the
     // sibling when there are both.
-    const ddtree_reg_slot child =
-        ddtree_make_slot(child_key, popped, 0, depth + 1, ddtree_lex_extend(lex, 0, depth + 1, bits),
-                         score, draft_len, top_k, lp, counts);
-    const ddtree_reg_slot sibling =
-        ddtree_make_slot(sibling_key, parent, rank + 1, depth,
-                         ddtree_lex_next_sibling(lex, depth, bits), parent_score, draft_len,
-                         top_k, lp, counts);
+    const ddtree_reg_slot child = ddtree_make_slot(child_key, popped, 0, depth + 1, score,
+                                                   draft_len, top_k, lp, counts);
+    const ddtree_reg_slot sibling = ddtree_make_slot(sibling_key, parent, rank + 1, depth,
+                                                     parent_score, draft_len, top_k, lp, counts);
     const uint32_t popped_reg = lane == owner ? pick : 0u;
     uint32_t fresh_reg = 0u;
     if (child_key != 0u && sibling_key != 0u) {
@@ -1199,7 +1190,7 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
     }
     const bool take_child = child_key != 0u;
 #pragma unroll
-    for (int r = 0; r < SELECT_REGS; ++r) {
+    for (int r = 0; r < REGS; ++r) {
       if (popped_reg & (1u << r)) slot[r] = take_child ? child : sibling;
       if (fresh_reg & (1u << r)) slot[r] = sibling;
     }
@@ -1235,7 +1226,21 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   const float* lp_global = topk_lp + b * draft_len * (int64_t)top_k;
   const float* lp = lp_in_smem ? lp_table : lp_global;
   if (lp_in_smem) {
-    for (int i = tid; i < draft_len * top_k; i += blockDim.x) lp_table[i] = lp_global[i];
+    // Eight loads in flight per thread before their stores (the pops read the table next).
+    const int n = draft_len * top_k;
+    for (int base = tid; base < n; base += 8 * SELECT_THREADS) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = base + u * SELECT_THREADS;
+        v[u] = i < n ? lp_global[i] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = base + u * SELECT_THREADS;
+        if (i < n) lp_table[i] = v[u];
+      }
+    }
   }
   for (int i = tid; i < draft_len; i += blockDim.x) counts[i] = topk_count[b * draft_len + i];
   const int64_t root = root_tokens[b];
@@ -1255,12 +1260,17 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   const int budget = skip ? 0 : min(max(budgets[b], 0), num_nodes_max - 1);
 
   if (tid < 32) {
-    const int popped =
-        budget <= 32 * SELECT_REGS
-            ? ddtree_select_pops_registers(budget, draft_len, top_k, lp, counts, node_parent,
-                                           node_rank, node_depth, node_score)
-            : ddtree_select_pops_shared(budget, draft_len, top_k, lp, counts, node_parent,
-                                        node_rank, node_depth, node_score);
+    int popped;
+    if (budget <= 64) {
+      popped = ddtree_select_pops_registers<2>(budget, draft_len, top_k, lp, counts,
+                                               node_parent, node_rank, node_depth, node_score);
+    } else if (budget <= 96) {
+      popped = ddtree_select_pops_registers<3>(budget, draft_len, top_k, lp, counts,
+                                               node_parent, node_rank, node_depth, node_score);
+    } else {
+      popped = ddtree_select_pops_shared(budget, draft_len, top_k, lp, counts, node_parent,
+                                         node_rank, node_depth, node_score);
+    }
     if (lane == 0) total = 1 + popped;
   }
   __syncthreads();
