@@ -35,14 +35,15 @@
 //    selection of one request, then the whole block writes the nodes and ancestor masks. The
 //    frontier (at most budget candidates) is split over the lanes, slot g owned by lane g % 32.
 //    A pop is one warp max-reduction of the lanes' best keys (order_key of the score); exact
-//    score ties compare rank tuples lexicographically through a packed prefix of the tuple
-//    (`bits` per depth, rank + 1, 0 past the node's depth), so a tie costs a few word compares,
-//    and deeper ties walk the popped nodes' parents. The popped slot takes the node's first child
-//    and a fresh slot its next sibling. For budgets up to 96 the slots live in registers (two
-//    or three per lane, each with the keys of its own first child and next sibling computed
-//    when it enters, so that a pop waits on no memory); beyond that in shared memory, where each lane keeps the best of its slots in registers and only the lanes that
-//    own a changed slot rescan. Shared memory: the popped nodes, plus the per-depth log-prob
-//    table when it fits.
+//    score ties go to the lexicographically smaller rank tuple (a parent before its children).
+//    The popped slot takes the node's first child and a fresh slot its next sibling. For
+//    budgets up to 96 the slots live in registers (two or three per lane, each with the keys of
+//    its own first child and next sibling computed when it enters, so that a pop waits on no
+//    memory; ties walk the popped nodes' parents). Beyond that they live in shared memory, each
+//    lane keeps the best of its slots in registers, ties compare a packed prefix of the tuple
+//    first (`bits` per depth, rank + 1, 0 past the node's depth: a few word compares) and walk
+//    parents only when the prefixes agree, and after a pop the whole warp rescans the owner's
+//    slots. Shared memory: the popped nodes, plus the per-depth log-prob table when it fits.
 //
 // Rules shared with the reference: x = logits.float() / temperature (true division), NaN -> -inf,
 // a row holding +inf gives its +inf tokens log-prob -log(count) and every other token -inf, an
