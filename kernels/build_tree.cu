@@ -932,10 +932,46 @@ __device__ __forceinline__ int ddtree_pop_owner(uint32_t top, uint32_t best_key,
   return owner;
 }
 
-// The first candidate of a request: its best depth-1 token (key 0 when none is possible).
-__device__ __forceinline__ ddtree_cand ddtree_first_cand(const float* lp, const int* counts,
+// Score key of the first child of a node at `depth` (0: the root) with score `score`: 0 when
+// the node is at the last depth or the next depth has no possible token.
+__device__ __forceinline__ uint32_t ddtree_child_key(float score, int depth, int draft_len,
+                                                     int top_k, const float* lp,
+                                                     const int* counts) {
+  return depth < draft_len && counts[depth] > 0
+             ? ddtree_order_key(score + lp[depth * top_k] + 0.0f)
+             : 0u;
+}
+
+// Score key of the next sibling of the node of rank `rank` at `depth` (>= 1) whose parent has
+// score `parent_score`: 0 when that depth has no further possible token.
+__device__ __forceinline__ uint32_t ddtree_sibling_key(float parent_score, int rank, int depth,
+                                                       int top_k, const float* lp,
+                                                       const int* counts) {
+  return rank + 1 < counts[depth - 1]
+             ? ddtree_order_key(parent_score + lp[(depth - 1) * top_k + rank + 1] + 0.0f)
+             : 0u;
+}
+
+// Records popped node n in the node tables (lane 0 writes; the warp synchronises before they
+// are read).
+__device__ __forceinline__ void ddtree_record_node(int n, int parent, int rank, int depth,
+                                                   float score, int16_t* node_parent,
+                                                   int16_t* node_rank, int8_t* node_depth,
+                                                   float* node_score) {
+  if ((threadIdx.x & 31) == 0) {
+    node_parent[n] = (int16_t)parent;
+    node_rank[n] = (int16_t)rank;
+    node_depth[n] = (int8_t)depth;
+    node_score[n] = score;
+  }
+}
+
+// The first candidate of a request: its best depth-1 token, the root's first child (key 0 when
+// none is possible).
+__device__ __forceinline__ ddtree_cand ddtree_first_cand(int draft_len, int top_k,
+                                                         const float* lp, const int* counts,
                                                          int bits) {
-  return {counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u, ddtree_pack_slot(0, 0, 1),
+  return {ddtree_child_key(0.0f, 0, draft_len, top_k, lp, counts), ddtree_pack_slot(0, 0, 1),
           ddtree_lex_extend(0, 0, 1, bits)};
 }
 
@@ -951,23 +987,14 @@ __device__ __forceinline__ void ddtree_pop_expand(int n, uint32_t top, uint32_t 
                                                   ddtree_cand& sibling) {
   const float score = ddtree_key_to_float(top);
   const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
-  if ((threadIdx.x & 31) == 0) {
-    node_parent[n] = (int16_t)parent;
-    node_rank[n] = (int16_t)rank;
-    node_depth[n] = (int8_t)depth;
-    node_score[n] = score;
-  }
+  ddtree_record_node(n, parent, rank, depth, score, node_parent, node_rank, node_depth,
+                     node_score);
   __syncwarp();  // node_score[parent] below may be this pop's
   if (last) return;  // the budget is spent: no candidates needed
-  child.key = depth < draft_len && counts[depth] > 0
-                  ? ddtree_order_key(score + lp[depth * top_k] + 0.0f)
-                  : 0u;
+  child.key = ddtree_child_key(score, depth, draft_len, top_k, lp, counts);
   child.info = ddtree_pack_slot(n, 0, depth + 1);
   child.lex = ddtree_lex_extend(lex, 0, depth + 1, bits);
-  sibling.key = rank + 1 < counts[depth - 1]
-                    ? ddtree_order_key(node_score[parent] + lp[(depth - 1) * top_k + rank + 1] +
-                                       0.0f)
-                    : 0u;
+  sibling.key = ddtree_sibling_key(node_score[parent], rank, depth, top_k, lp, counts);
   sibling.info = ddtree_pack_slot(parent, rank + 1, depth);
   sibling.lex = ddtree_lex_next_sibling(lex, depth, bits);
 }
@@ -989,7 +1016,7 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
   uint64_t best_lex = 0;
   int best_slot = -1;
   if (lane == 0) {  // slot 0: the best depth-1 token
-    const ddtree_cand first = ddtree_first_cand(lp, counts, bits);
+    const ddtree_cand first = ddtree_first_cand(draft_len, top_k, lp, counts, bits);
     best_key = first.key;
     best_info = first.info;
     best_lex = first.lex;
@@ -1089,13 +1116,8 @@ __device__ __forceinline__ ddtree_reg_slot ddtree_make_slot(uint32_t key, int pa
   slot.key = key;
   slot.info = ddtree_pack_slot(parent, rank, depth);
   slot.parent_score = parent_score;
-  slot.child_key = depth < draft_len && counts[depth] > 0
-                       ? ddtree_order_key(score + lp[depth * top_k] + 0.0f)
-                       : 0u;
-  slot.sibling_key = rank + 1 < counts[depth - 1]
-                         ? ddtree_order_key(parent_score + lp[(depth - 1) * top_k + rank + 1] +
-                                            0.0f)
-                         : 0u;
+  slot.child_key = ddtree_child_key(score, depth, draft_len, top_k, lp, counts);
+  slot.sibling_key = ddtree_sibling_key(parent_score, rank, depth, top_k, lp, counts);
   return slot;
 }
 
@@ -1119,7 +1141,7 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
 #pragma unroll
   for (int r = 0; r < REGS; ++r) slot[r] = {0u, 0u, 0.0f, 0u, 0u};
   if (lane == 0) {  // slot 0: the best depth-1 token
-    const uint32_t key = counts[0] > 0 ? ddtree_order_key(lp[0] + 0.0f) : 0u;
+    const uint32_t key = ddtree_child_key(0.0f, 0, draft_len, top_k, lp, counts);
     slot[0] = ddtree_make_slot(key, 0, 0, 1, 0.0f, draft_len, top_k, lp, counts);
   }
   int size = 1, popped = 0;
@@ -1170,12 +1192,8 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
     const float score = ddtree_key_to_float(top);
     const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
     ++popped;
-    if (lane == 0) {
-      node_parent[popped] = (int16_t)parent;
-      node_rank[popped] = (int16_t)rank;
-      node_depth[popped] = (int8_t)depth;
-      node_score[popped] = score;
-    }
+    ddtree_record_node(popped, parent, rank, depth, score, node_parent, node_rank, node_depth,
+                       node_score);
     if (popped == budget) break;
     // The popped slot takes the first child, else the next sibling; a fresh slot takes the
     // sibling when there are both.
