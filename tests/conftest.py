@@ -1,4 +1,4 @@
-"""Shared pytest configuration: GPU markers and fixed seeds.
+"""Shared pytest configuration: GPU markers, fixed seeds and a per-module kernel cache.
 
 Tests marked ``gpu`` skip with a precise reason when no CUDA device is usable; with
 ``DDTREE_REQUIRE_GPU=1`` (GPU CI) such a skip becomes a failure, so a green run means the GPU
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,3 +49,20 @@ def _fixed_seeds() -> None:
     """Seed Python and torch before every test so failures reproduce."""
     random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One kernel cache for every server a test module starts (compile once).
+
+    ``DDTREE_CACHE_DIR`` when the environment sets it (a GPU run reuses its compiled kernels),
+    else a fresh directory; the variable is set for the module and restored afterwards.
+    """
+    path = Path(os.environ.get("DDTREE_CACHE_DIR") or tmp_path_factory.mktemp("kernels"))
+    previous = os.environ.get("DDTREE_CACHE_DIR")
+    os.environ["DDTREE_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        del os.environ["DDTREE_CACHE_DIR"]
+    else:
+        os.environ["DDTREE_CACHE_DIR"] = previous

@@ -67,18 +67,6 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = Path(os.environ.get("DDTREE_CACHE_DIR") or tmp_path_factory.mktemp("kernels"))
-    previous = os.environ.get("DDTREE_CACHE_DIR")
-    os.environ["DDTREE_CACHE_DIR"] = str(path)
-    yield path
-    if previous is None:
-        del os.environ["DDTREE_CACHE_DIR"]
-    else:
-        os.environ["DDTREE_CACHE_DIR"] = previous
-
-
-@pytest.fixture(scope="module")
 def metrics_port() -> int:
     return _free_port()
 

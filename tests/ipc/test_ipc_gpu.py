@@ -49,19 +49,6 @@ SLEEP_CYCLES = 1_500_000_000  # about 0.75 s of one SM at H200 clocks
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One kernel cache for every server of the module (compile once)."""
-    path = tmp_path_factory.mktemp("kernels")
-    previous = os.environ.get("DDTREE_CACHE_DIR")
-    os.environ["DDTREE_CACHE_DIR"] = str(path)
-    yield path
-    if previous is None:
-        del os.environ["DDTREE_CACHE_DIR"]
-    else:
-        os.environ["DDTREE_CACHE_DIR"] = previous
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Iterator[ServerProcess]:
     process = ServerProcess(tmp_path_factory.mktemp("main") / "ddtree.sock")
     try:
