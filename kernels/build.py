@@ -19,6 +19,7 @@ def build_tree(
     temperature: float = 1.0,
     max_budget: int | None = None,
     error_flags: torch.Tensor | None = None,
+    out: Tree | None = None,
     backend: Backend = "auto",
 ) -> Tree:
     """Build each request's DDTree: the ``budget`` most probable draft prefixes, best first.
@@ -59,6 +60,14 @@ def build_tree(
         root token gets ``ErrorFlag.TOKEN`` OR-ed in and an empty tree (root only, node 0 still
         holding the given root token), as does a request already flagged by an earlier op; the
         op stays asynchronous. If omitted, such data raises ``ValueError`` (a host sync on CUDA).
+    out : Tree, optional
+        Where to write the result: tensors of exactly the returned ``Tree``'s shapes and dtypes
+        (``num_nodes_max = 1 + max_budget``) and ``draft_len``, on the logits' device,
+        contiguous, sharing no memory with each other or with the inputs (``ValueError``
+        otherwise, naming the field). ``out`` is returned. All or nothing: with
+        ``error_flags``, if any request of the batch is flagged (by this op or on entry),
+        nothing is written to ``out``; without it, bad data raises before anything is written.
+        For destinations in caller memory (the server's calls by reference).
     backend : {"auto", "cuda", "reference"}
         See ``ddtree.kernels``.
 
@@ -82,6 +91,7 @@ def build_tree(
             temperature=temperature,
             max_budget=max_budget,
             error_flags=error_flags,
+            out=out,
         )
     return reference.build_tree(
         draft_logits,
@@ -90,4 +100,5 @@ def build_tree(
         temperature=temperature,
         max_budget=max_budget,
         error_flags=error_flags,
+        out=out,
     )

@@ -50,6 +50,8 @@
 // all -inf row has no possible token; scores are fp32 running sums in depth order.
 // Caller data read here: root_tokens (checked: out of range -> ErrorFlag.TOKEN, root-only tree),
 // budgets (clamped to [0, num_nodes_max - 1]), error_flags (non-zero on entry -> root-only tree).
+// With all_or_nothing (outputs in caller memory), a bad root or an entry flag anywhere in the
+// batch leaves every output unwritten instead (the flags are still set).
 #include "common.cuh"
 
 #ifndef TOPK_WARPS
@@ -1232,7 +1234,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
     int32_t* __restrict__ num_nodes,  // [batch]
     int64_t* __restrict__ mask,       // [batch, num_nodes_max, words]
     int32_t vocab, int32_t draft_len, int32_t top_k, int32_t num_nodes_max, int32_t words,
-    int32_t lp_in_smem) {
+    int32_t lp_in_smem, int32_t batch, int32_t all_or_nothing) {
   extern __shared__ float lp_table[];  // [draft_len, top_k] when lp_in_smem
   __shared__ int16_t node_parent[DDTREE_MAX_NODES];
   __shared__ int16_t node_rank[DDTREE_MAX_NODES];
@@ -1275,7 +1277,19 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
     node_depth[0] = 0;
     node_score[0] = 0.0f;
   }
-  __syncthreads();
+  if (all_or_nothing) {
+    // Every block decides alike whether the batch is clean: a bad root or a request flagged on
+    // entry anywhere leaves all outputs unwritten. Reading flags that another block may be
+    // OR-ing TOKEN into is benign: that block's root is bad, which this block sees directly.
+    bool bad = false;
+    for (int i = tid; i < batch; i += blockDim.x) {
+      const int64_t r = root_tokens[i];
+      bad |= r < 0 || r >= vocab || error_flags[i] != 0;
+    }
+    if (__syncthreads_or(bad)) return;
+  } else {
+    __syncthreads();
+  }
   const int budget = skip ? 0 : min(max(budgets[b], 0), num_nodes_max - 1);
 
   if (tid < 32) {

@@ -472,7 +472,8 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_channel_buil
                       (int64_t*)a->ptr[DDTREE_B_TOKENS], (int32_t*)a->ptr[DDTREE_B_PARENTS],
                       (int32_t*)a->ptr[DDTREE_B_DEPTHS], (float*)a->ptr[DDTREE_B_LOG_PROBS],
                       (int32_t*)a->ptr[DDTREE_B_NUM_NODES], (int64_t*)a->ptr[DDTREE_B_MASK],
-                      vocab, draft_len, top_k, num_nodes_max, words, lp_in_smem);
+                      vocab, draft_len, top_k, num_nodes_max, words, lp_in_smem, a->batch_size,
+                      0);
 }
 #endif
 

@@ -24,6 +24,7 @@ same ``error_flags`` tensor is passed to each.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -275,6 +276,7 @@ def check_build_tree_args(
     temperature: float,
     max_budget: int | None,
     error_flags: torch.Tensor | None,
+    out: Tree | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Check ``build_tree``'s arguments (see ``ddtree.kernels.build_tree``).
 
@@ -314,7 +316,70 @@ def check_build_tree_args(
     )
     _check_float(temperature, "temperature", allow_zero=False)
     check_error_flags(error_flags, batch_size, device)
-    return normalize_budget(budget, batch_size, device, max_budget)
+    budgets, num_nodes_max = normalize_budget(budget, batch_size, device, max_budget)
+    if out is not None:
+        check_tree_out(out, batch_size, num_nodes_max, draft_len, device)
+        inputs = {"draft_logits": draft_logits, "root_tokens": root_tokens, "budget": budgets}
+        if error_flags is not None:
+            inputs["error_flags"] = error_flags
+        check_disjoint(out, inputs)
+    return budgets, num_nodes_max
+
+
+def check_tree_out(
+    out: Tree, batch_size: int, num_nodes_max: int, draft_len: int, device: torch.device
+) -> None:
+    """Check a ``build_tree`` destination: a ``Tree`` of exactly the result's shapes and dtypes
+    (``batch_size`` requests, ``num_nodes_max`` slots, ``draft_len``) on ``device``, every
+    tensor contiguous.
+
+    Raises
+    ------
+    TypeError, ValueError
+        The message names the offending field of ``out``.
+    """
+    check_tree(out, "out")
+    if tuple(out.tokens.shape) != (batch_size, num_nodes_max):
+        raise ValueError(
+            f"out.tokens: expected shape (batch_size, 1 + max_budget) = "
+            f"({batch_size}, {num_nodes_max}), got {tuple(out.tokens.shape)}"
+        )
+    if out.draft_len != draft_len:
+        raise ValueError(f"out.draft_len: expected {draft_len}, got {out.draft_len}")
+    for name, tensor in _tree_fields(out):
+        if tensor.device != device:
+            raise ValueError(f"out.{name}: expected device {device}, got {tensor.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"out.{name}: expected a contiguous tensor")
+
+
+def check_disjoint(out: Tree, inputs: dict[str, torch.Tensor]) -> None:
+    """Check that no tensor of ``out`` shares a byte with another one or with ``inputs``.
+
+    Raises
+    ------
+    ValueError
+        Two of them overlap; the message names both.
+    """
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+        for name, t in [*(("out." + n, t) for n, t in _tree_fields(out)), *inputs.items()]
+        if t.numel()
+    )
+    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise ValueError(f"{other}: overlaps {name} (outputs must not share memory)")
+
+
+def _tree_fields(tree: Tree) -> list[tuple[str, torch.Tensor]]:
+    return [
+        ("tokens", tree.tokens),
+        ("parents", tree.parents),
+        ("depths", tree.depths),
+        ("log_probs", tree.log_probs),
+        ("num_nodes", tree.num_nodes),
+        ("mask", tree.mask),
+    ]
 
 
 def check_tree(tree: object, name: str = "tree") -> Tree:

@@ -149,6 +149,7 @@ def build_tree(
     temperature: float = 1.0,
     max_budget: int | None = None,
     error_flags: torch.Tensor | None = None,
+    out: Tree | None = None,
 ) -> Tree:
     """Reference ``build_tree`` (see ``ddtree.kernels.build_tree`` for the contract).
 
@@ -168,7 +169,8 @@ def build_tree(
     merge of all depths in that order is exact.
 
     Requests skipped for a bad root token (see ``checks.resolve_flags``) get a root-only tree
-    whose node 0 still carries the given root token.
+    whose node 0 still carries the given root token. With ``out``, the trees are computed apart
+    and copied into it only when no request of the batch is flagged (no host sync).
     """
     budgets, num_nodes_max = checks.check_build_tree_args(
         draft_logits,
@@ -177,6 +179,7 @@ def build_tree(
         temperature=temperature,
         max_budget=max_budget,
         error_flags=error_flags,
+        out=out,
     )
     batch_size, draft_len, vocab_size = draft_logits.shape
     device = draft_logits.device
@@ -283,7 +286,7 @@ def build_tree(
         ancestors.scatter_(2, walker[:, :, None], True)
         walker = parents.long().gather(1, walker).clamp(min=0)  # [batch, nodes]
     ancestors &= node_valid[:, :, None]
-    return Tree(
+    tree = Tree(
         tokens=tokens,
         parents=parents,
         depths=depths,
@@ -292,6 +295,13 @@ def build_tree(
         mask=pack_mask(ancestors),  # [batch, nodes, words]
         draft_len=draft_len,
     )
+    if out is None:
+        return tree
+    clean = ~skip.any()  # all or nothing: a flagged request anywhere leaves out untouched
+    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
+        destination = getattr(out, name)
+        destination.copy_(torch.where(clean, getattr(tree, name), destination))
+    return out
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -308,6 +308,7 @@ def build_tree(
     temperature: float = 1.0,
     max_budget: int | None = None,
     error_flags: torch.Tensor | None = None,
+    out: Tree | None = None,
 ) -> Tree:
     """CUDA ``build_tree``; see ``ddtree.kernels.build_tree`` for parameters and semantics."""
     budgets, num_nodes_max = checks.check_build_tree_args(
@@ -317,6 +318,7 @@ def build_tree(
         temperature=temperature,
         max_budget=max_budget,
         error_flags=error_flags,
+        out=out,
     )
     batch_size, draft_len, vocab_size = draft_logits.shape
     device = draft_logits.device
@@ -353,12 +355,19 @@ def build_tree(
     topk_count = topk_tok + lp_bytes
     part_keys = topk_count + count_bytes
     part_stats = part_keys + part_bytes
-    tokens = torch.empty(batch_size, num_nodes_max, dtype=torch.int64, device=device)
-    parents = torch.empty(batch_size, num_nodes_max, dtype=torch.int32, device=device)
-    depths = torch.empty(batch_size, num_nodes_max, dtype=torch.int32, device=device)
-    log_probs = torch.empty(batch_size, num_nodes_max, dtype=torch.float32, device=device)
-    num_nodes = torch.empty(batch_size, dtype=torch.int32, device=device)
-    mask = torch.empty(batch_size, num_nodes_max, words, dtype=torch.int64, device=device)
+    tree = (
+        out
+        if out is not None
+        else Tree(
+            tokens=torch.empty(batch_size, num_nodes_max, dtype=torch.int64, device=device),
+            parents=torch.empty(batch_size, num_nodes_max, dtype=torch.int32, device=device),
+            depths=torch.empty(batch_size, num_nodes_max, dtype=torch.int32, device=device),
+            log_probs=torch.empty(batch_size, num_nodes_max, dtype=torch.float32, device=device),
+            num_nodes=torch.empty(batch_size, dtype=torch.int32, device=device),
+            mask=torch.empty(batch_size, num_nodes_max, words, dtype=torch.int64, device=device),
+            draft_len=draft_len,
+        )
+    )
     variant = tuple(plan.defines.items())
 
     with torch.cuda.device(index):
@@ -399,29 +408,23 @@ def build_tree(
             _ptr(root_tokens),
             _ptr(budgets),
             _ptr(flags),
-            _ptr(tokens),
-            _ptr(parents),
-            _ptr(depths),
-            _ptr(log_probs),
-            _ptr(num_nodes),
-            _ptr(mask),
+            _ptr(tree.tokens),
+            _ptr(tree.parents),
+            _ptr(tree.depths),
+            _ptr(tree.log_probs),
+            _ptr(tree.num_nodes),
+            _ptr(tree.mask),
             _i32(vocab_size),
             _i32(draft_len),
             _i32(plan.top_k),
             _i32(num_nodes_max),
             _i32(words),
             _i32(int(plan.lp_in_smem)),
+            _i32(batch_size),
+            _i32(int(out is not None)),
             device=index,
         )
-    return Tree(
-        tokens=tokens,
-        parents=parents,
-        depths=depths,
-        log_probs=log_probs,
-        num_nodes=num_nodes,
-        mask=mask,
-        draft_len=draft_len,
-    )
+    return tree
 
 
 def accept(

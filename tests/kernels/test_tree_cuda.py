@@ -182,6 +182,107 @@ def test_build_tree_bad_root_token_is_flagged_without_sync() -> None:
         tree_cuda.build_tree(logits, roots, 9)
 
 
+def _poisoned_out(batch_size: int, num_nodes_max: int, draft_len: int) -> Tree:
+    pair = (batch_size, num_nodes_max)
+    return Tree(
+        tokens=torch.full(pair, 7777, dtype=torch.int64, device="cuda"),
+        parents=torch.full(pair, 7777, dtype=torch.int32, device="cuda"),
+        depths=torch.full(pair, 7777, dtype=torch.int32, device="cuda"),
+        log_probs=torch.full(pair, 7777.0, device="cuda"),
+        num_nodes=torch.full((batch_size,), 7777, dtype=torch.int32, device="cuda"),
+        mask=torch.full(
+            (*pair, (num_nodes_max + 63) // 64), 7777, dtype=torch.int64, device="cuda"
+        ),
+        draft_len=draft_len,
+    )
+
+
+def _assert_untouched(out: Tree) -> None:
+    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
+        assert bool((getattr(out, name) == 7777).all()), f"out.{name} was written"
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "draft_len", "vocab_size", "budget"),
+    [(1, 1, 8, 1), (3, 5, 1000, 7), (32, 16, 163840, 64), (2, 8, 163840, 1024), (64, 4, 4096, 65)],
+    ids=["B1-b1", "B3-b7", "B32-b64", "B2-b1024", "B64-b65"],
+)
+def test_build_tree_out_matches_reference(
+    batch_size: int, draft_len: int, vocab_size: int, budget: int
+) -> None:
+    logits = draft_logits(
+        batch_size, draft_len, vocab_size, seed=budget, dtype=torch.bfloat16, device="cuda"
+    )
+    roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
+    expected = reference.build_tree(logits, roots, budget)
+    out = _poisoned_out(batch_size, budget + 1, draft_len)
+    flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
+    actual = tree_cuda.build_tree(logits, roots, budget, error_flags=flags, out=out)
+    assert actual is out
+    _assert_same_tree(out, expected, exact_order=True)
+    assert not bool(flags.any())
+
+
+@pytest.mark.parametrize("entry_flag", [False, True], ids=["bad-root", "flagged-on-entry"])
+@pytest.mark.parametrize("batch_size", [2, 300])
+def test_build_tree_out_is_untouched_when_any_request_is_flagged(
+    entry_flag: bool, batch_size: int
+) -> None:
+    """All or nothing: one bad request of the batch (the last one, so the blocks of every other
+    request finish their own work first) and nothing reaches ``out``; flags as the reference."""
+    logits = draft_logits(batch_size, 3, 500, seed=8, device="cuda")
+    roots = torch.randint(0, 500, (batch_size,), device="cuda")
+    flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
+    if entry_flag:
+        flags[-1] = int(ErrorFlag.LENGTH)
+    else:
+        roots[-1] = 500
+    want_flags = flags.clone()
+    reference.build_tree(logits, roots, 9, error_flags=want_flags)
+    out = _poisoned_out(batch_size, 10, 3)
+    tree_cuda.build_tree(logits, roots, 9, error_flags=flags, out=out)
+    assert_equal(flags, want_flags, "error_flags")
+    _assert_untouched(out)
+    flags.zero_()
+    roots[-1] = 0
+    tree_cuda.build_tree(logits, roots, 9, error_flags=flags, out=out)  # clean: written
+    _assert_same_tree(out, reference.build_tree(logits, roots, 9), exact_order=True)
+
+
+def test_build_tree_out_is_captured_in_a_cuda_graph() -> None:
+    """The server replays a captured build into caller memory: new logits, same buffers."""
+    batch_size, draft_len, vocab_size, budget = 8, 16, 163840, 64
+    logits = draft_logits(
+        batch_size, draft_len, vocab_size, seed=31, dtype=torch.bfloat16, device="cuda"
+    )
+    roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
+    flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
+    out = _poisoned_out(batch_size, budget + 1, draft_len)
+    tree_cuda.build_tree(logits, roots, budget, error_flags=flags, out=out)  # warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        tree_cuda.build_tree(logits, roots, budget, error_flags=flags, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seed in (32, 33):
+        logits.copy_(
+            draft_logits(batch_size, draft_len, vocab_size, seed=seed, dtype=torch.bfloat16)
+        )
+        out.tokens.fill_(7777)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same_tree(out, reference.build_tree(logits, roots, budget), exact_order=True)
+    roots[3] = -1
+    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
+        getattr(out, name).fill_(7777)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_untouched(out)
+    assert flags.tolist() == [0, 0, 0, int(ErrorFlag.TOKEN), 0, 0, 0, 0]
+
+
 @pytest.mark.parametrize("shape", ["chain", "star", "random", "mixed"])
 @pytest.mark.parametrize(
     ("batch_size", "num_nodes_max", "draft_len"), [(1, 2, 1), (9, 65, 16), (3, 1025, 32)]
