@@ -91,6 +91,32 @@ def decode_tensor(message: tensor_pb2.Tensor, device: torch.device) -> torch.Ten
     return host.to(device)
 
 
+def _decode_into(messages: Any, names: tuple[str, ...], out: Any, prefix: str) -> None:
+    """Copy the inline tensors ``messages.<name>`` into ``out.<name>``, each checked first (a
+    response that does not fit leaves ``out`` untouched)."""
+    for name in names:
+        message, dest = getattr(messages, name), getattr(out, name)
+        dtype = _FROM_WIRE.get(message.dtype)
+        shape = tuple(message.shape)
+        byte_size = dest.numel() * dest.element_size()
+        if (
+            message.WhichOneof("data") != "inline"
+            or dtype != dest.dtype
+            or shape != dest.shape
+            or len(message.inline) != byte_size
+        ):
+            raise DDTreeClientError(
+                "DATA_LOSS",
+                f"{prefix}.{name}: the response's tensor (dtype {dtype}, shape {shape}) does not "
+                f"fit out.{name} (dtype {dest.dtype}, shape {tuple(dest.shape)})",
+            )
+    for name in names:
+        message, dest = getattr(messages, name), getattr(out, name)
+        if message.inline:
+            host = torch.frombuffer(bytearray(message.inline), dtype=dest.dtype)
+            dest.copy_(host.view(dest.shape))
+
+
 _TREE_NAMES = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
 _ACCEPTANCE_NAMES = ("nodes", "tokens", "length", "bonus")
 
@@ -149,6 +175,23 @@ def decode_tree(message: tree_pb2.Tree, device: torch.device) -> Tree:
         mask=decode_tensor(message.mask, device),
         draft_len=int(message.draft_len),
     )
+
+
+def decode_tree_into(message: tree_pb2.Tree, out: Tree) -> Tree:
+    """Copy an inline ``Tree`` into ``out`` (same shapes and dtypes) and return ``out``.
+
+    Raises
+    ------
+    DDTreeClientError
+        ``DATA_LOSS``: the response's tree does not fit ``out`` (nothing is copied).
+    """
+    if message.draft_len != out.draft_len:
+        raise DDTreeClientError(
+            "DATA_LOSS",
+            f"tree.draft_len: the response's {message.draft_len} is not out's {out.draft_len}",
+        )
+    _decode_into(message, _TREE_NAMES, out, "tree")
+    return out
 
 
 def decode_acceptance(message: tree_pb2.Acceptance, device: torch.device) -> Acceptance:
@@ -253,17 +296,23 @@ def finish_accept_tree(
     tree: Tree,
     kv_commit: KvCommit | None,
     outputs: Acceptance | None = None,
+    *,
+    into: Acceptance | None = None,
 ) -> Acceptance:
     """Decode the acceptance and copy a returned KV cache into the caller's tensor in place.
 
-    With ``outputs`` (the server wrote the acceptance into them) they are the result; a cache
-    sent by reference was compacted in place by the server and is not returned.
+    With ``outputs`` (the server wrote the acceptance into them) they are the result; with
+    ``into`` the inline acceptance is copied into it, and it is the result. A cache sent by
+    reference was compacted in place by the server and is not returned.
     """
     if kv_commit is not None and response.HasField("kv_cache"):
         compacted = decode_tensor(response.kv_cache, kv_commit.kv_cache.device)
         kv_commit.kv_cache.copy_(compacted)
     if outputs is not None:
         return outputs
+    if into is not None:
+        _decode_into(response.acceptance, _ACCEPTANCE_NAMES, into, "acceptance")
+        return into
     return decode_acceptance(response.acceptance, tree.device)
 
 

@@ -7,7 +7,9 @@ segment: ``locate`` finds a tensor's allocation base and offset with ``cuMemGetA
 ``ipc_mem_handle`` exports the base with ``cuIpcGetMemHandle``, and a ``MemoryRegistry`` keeps
 one token per allocation (keyed by the driver's never-reused buffer id) for every later call.
 An ``AllocationCache`` keeps what ``locate`` found per allocation, so a call costs one driver
-call per allocation it touches (the tensor's buffer id) instead of four per tensor.
+call per allocation it touches (the tensor's buffer id) instead of four per tensor, and a
+``RequestMemo`` keeps a client's last few by-reference requests, so that a call repeating one
+with the same buffers (static buffers, ``out=``) skips locating and building altogether.
 
 Export is impossible, and refused with an ``ExportError`` that says why, for CPU tensors, for
 memory of the ``cudaMallocAsync`` allocator backend and for expandable segments
@@ -26,7 +28,8 @@ import functools
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -42,7 +45,9 @@ __all__ = [
     "AllocationCache",
     "ClientIpc",
     "ExportError",
+    "MemoEntry",
     "MemoryRegistry",
+    "RequestMemo",
     "RequestRefs",
     "TensorTransport",
     "device_uuid",
@@ -375,6 +380,13 @@ class MemoryRegistry:
         self.client_id = client_id or f"py-{os.getpid()}-{secrets.token_hex(4)}"
         self._lock = threading.Lock()
         self._tokens: dict[tuple[str, int], tuple[Allocation, str]] = {}
+        self._generation = 0
+
+    @property
+    def generation(self) -> int:
+        """Count of changes (``add``, ``clear``): tokens read at one value are current while
+        it stays the same."""
+        return self._generation
 
     def token(self, allocation: Allocation) -> str | None:
         """The token of ``allocation``, or ``None`` when it is not registered."""
@@ -400,6 +412,7 @@ class MemoryRegistry:
                     del self._tokens[key]
                     stale.append(old_token)
             self._tokens[(allocation.device_uuid, allocation.buffer_id)] = (allocation, token)
+            self._generation += 1
         return stale
 
     def clear(self) -> list[str]:
@@ -407,6 +420,7 @@ class MemoryRegistry:
         with self._lock:
             tokens = [token for _, token in self._tokens.values()]
             self._tokens.clear()
+            self._generation += 1
         return tokens
 
     def __len__(self) -> int:
@@ -446,6 +460,7 @@ class RequestRefs:
         self._where: dict[int, tuple[Allocation, int]] = {}
         self._devices: set[int] = set()
         self._tokens: dict[int, str] = {}  # buffer id -> token, once registered
+        self._probes: list[tuple[int, int, int]] = []
 
     def add(self, tensors: Iterable[tuple[str, torch.Tensor | None]]) -> None:
         """Locate each ``(field, tensor)``; tensors that cannot be exported stay inline (auto).
@@ -472,12 +487,24 @@ class RequestRefs:
                 continue
             if allocation not in self._confirmed:
                 self._confirmed.append(allocation)
+                index = tensor.device.index or 0
+                self._probes.append((tensor.data_ptr(), index, allocation.buffer_id))
             self._where[id(tensor)] = (allocation, offset)
             self._devices.add(tensor.device.index or 0)
 
     def is_ref(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` travels by reference."""
         return id(tensor) in self._where
+
+    def covers(self, tensors: Iterable[tuple[str, torch.Tensor | None]]) -> bool:
+        """Whether every non-empty tensor of ``tensors`` travels by reference."""
+        return all(t is None or t.numel() == 0 or self.is_ref(t) for _, t in tensors)
+
+    @property
+    def probes(self) -> tuple[tuple[int, int, int], ...]:
+        """``(pointer, device_index, buffer_id)`` per allocation of the request: a tensor's
+        address in it, its device, and the allocation's buffer id when it was located."""
+        return tuple(self._probes)
 
     @property
     def device_indices(self) -> set[int]:
@@ -519,6 +546,120 @@ class RequestRefs:
         return tensor_pb2.TensorRef(region_token=located[0], offset_bytes=located[1])
 
 
+@dataclass(frozen=True)
+class MemoEntry:
+    """A by-reference request as built, with what it was built from."""
+
+    request: Any
+    """The request message (``BuildTreeRequest``, ``AcceptTreeRequest``)."""
+    refs: RequestRefs
+    """The references it was built from (their devices order the inputs)."""
+    use_outputs: bool
+    """Whether the server writes the results into the caller's destinations."""
+    generation: int
+    """``MemoryRegistry.generation`` read before the references' tokens were."""
+
+
+class RequestMemo:
+    """The last few by-reference requests of one client, reused while they still hold.
+
+    A caller with static buffers sends the same request, byte for byte, call after call: the
+    same tensors at the same addresses, the same scalars. The memo keeps the last
+    ``max_entries`` requests under a key of the RPC, every tensor's ``(data_ptr, shape, stride,
+    dtype, device)`` and every scalar argument, so that such a call skips locating its tensors
+    and building its message. A key alone is not enough: after torch frees memory
+    (``torch.cuda.empty_cache()``) a new ``cudaMalloc`` may return the same address, and the
+    registry's tokens change when the client registers or forgets memory. So ``get`` returns an
+    entry only when the registry's generation is the one the entry was built at (every token in
+    the request is still current) and, per allocation of the request, the driver still reports
+    the buffer id the allocation had (one driver call each, as ``AllocationCache.find``; buffer
+    ids are never reused, so a freed-and-reallocated range misses). Only requests whose every
+    tensor travels by reference belong here: inline bytes would be stale.
+
+    Parameters
+    ----------
+    registry : MemoryRegistry
+        The client's registrations.
+    max_entries : int
+        Requests kept; the least recently used is dropped past it.
+    buffer_id : callable, optional
+        ``(pointer, device_index, field) -> int``; by default ``query_buffer_id``. Tests pass a
+        fake driver.
+
+    Notes
+    -----
+    Thread-safe. Entries hold no tensors, so the memo keeps no caller memory alive.
+    """
+
+    def __init__(
+        self,
+        registry: MemoryRegistry,
+        max_entries: int = 8,
+        *,
+        buffer_id: Callable[[int, int, str], int] | None = None,
+    ) -> None:
+        self.max_entries = max_entries
+        self.hits = 0
+        """Calls that reused a request."""
+        self.misses = 0
+        """Lookups that found no entry, or one that no longer holds."""
+        self._registry = registry
+        self._buffer_id = buffer_id or query_buffer_id
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[Hashable, MemoEntry] = OrderedDict()
+
+    def get(self, key: Hashable) -> MemoEntry | None:
+        """The entry of ``key`` if it still holds (see the class), else ``None``."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+        if entry is not None and self._holds(entry):
+            with self._lock:
+                self.hits += 1
+            return entry
+        with self._lock:
+            self.misses += 1
+            if entry is not None and self._entries.get(key) is entry:
+                del self._entries[key]
+        return None
+
+    def _holds(self, entry: MemoEntry) -> bool:
+        if entry.generation != self._registry.generation:
+            return False
+        for pointer, device_index, buffer_id in entry.refs.probes:
+            try:
+                if self._buffer_id(pointer, device_index, "memo") != buffer_id:
+                    return False
+            except ExportError:
+                return False
+        return True
+
+    def put(
+        self,
+        key: Hashable,
+        request: Any,
+        refs: RequestRefs,
+        use_outputs: bool,
+        generation: int,
+    ) -> None:
+        """Remember ``request``, built from ``refs`` with tokens read at ``generation``."""
+        with self._lock:
+            self._entries[key] = MemoEntry(request, refs, use_outputs, generation)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
 class ClientIpc:
     """The CUDA IPC side of one remote client: its registry, the server's GPU, input ordering.
 
@@ -548,6 +689,8 @@ class ClientIpc:
         self.registry = MemoryRegistry(client_id)
         self.allocations = AllocationCache()
         """Allocations this client located, checked per call by buffer id."""
+        self.memo = RequestMemo(self.registry)
+        """The client's last by-reference requests, reused by calls with the same buffers."""
         self.use_ipc_events = use_ipc_events
         self.server_uuid: str | None = None
         self.server_supports_refs = False
@@ -566,8 +709,10 @@ class ClientIpc:
         self.server_uuid = uuids[0] if uuids else ""
 
     def forget_server(self) -> list[str]:
-        """The server forgot our regions (restart): drop every token and the server's facts."""
+        """The server forgot our regions (restart): drop every token, every memoized request
+        and the server's facts."""
         self.server_uuid = None
+        self.memo.clear()
         return self.registry.clear()
 
     def refs(self, tensors: Iterable[tuple[str, torch.Tensor | None]]) -> RequestRefs | None:

@@ -19,7 +19,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -30,15 +30,16 @@ from ddtree.clients import _wire
 from ddtree.clients.errors import (
     DDTreeClientError,
     DeadlineExceededError,
+    InvalidArgumentError,
     MemoryTokenNotFoundError,
 )
 from ddtree.clients.types import KvCommit, MemoryRegion, ServerInfo
-from ddtree.kernels.types import Acceptance, Tree, mask_words
+from ddtree.kernels.types import MAX_BUDGET, Acceptance, Tree, mask_words
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from ddtree.clients.cuda import ClientIpc, RequestRefs
+    from ddtree.clients.cuda import ClientIpc, MemoEntry, RequestRefs
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "AsyncClient", "Client", "RetryPolicy", "TlsOptions"]
 
@@ -238,6 +239,99 @@ class _Op(Generic[_T]):
     finish: Callable[[Any, bool], _T]
     """``(response, use_outputs) -> result``."""
     idempotent: bool
+    memo_key: Hashable | None = None
+    """Key of the request in the client's ``RequestMemo``; ``None``: never memoized (the
+    client allocated the destinations, or some bytes always travel inline)."""
+
+
+def _memo_key(scalars: tuple[Any, ...], tensors: list[tuple[str, torch.Tensor | None]]) -> Hashable:
+    """The RPC and scalar arguments (``scalars``) and where every tensor lies and how."""
+    return scalars + tuple(
+        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+        for _, t in tensors
+    )
+
+
+def _invalid(field: str, problem: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        "INVALID_ARGUMENT", f"{field}: {problem}", reason="INVALID_TENSOR", field=field
+    )
+
+
+def _check_out(
+    prefix: str,
+    out: object,
+    kind: type,
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    device: torch.device,
+    main: str,
+) -> None:
+    """Refuse destinations ``out`` (a ``kind``) unless each tensor has its ``expected`` shape
+    and dtype, lies on ``device`` (where the input ``main`` is) and is contiguous."""
+    if not isinstance(out, kind):
+        raise _invalid(prefix, f"expected a {kind.__name__}, got {type(out).__name__}")
+    for name, (shape, dtype) in expected.items():
+        field = f"{prefix}.{name}"
+        tensor = getattr(out, name)
+        if not isinstance(tensor, torch.Tensor):
+            raise _invalid(field, f"expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != dtype:
+            raise _invalid(field, f"expected dtype {dtype}, got {tensor.dtype}")
+        if tuple(tensor.shape) != shape:
+            raise _invalid(field, f"expected shape {shape}, got {tuple(tensor.shape)}")
+        if tensor.device != device:
+            raise _invalid(
+                field, f"expected a tensor on {device}, where {main} is, got one on {tensor.device}"
+            )
+        if not tensor.is_contiguous():
+            raise _invalid(field, f"expected a contiguous tensor; pass {name}.contiguous()")
+
+
+def _check_tree_out(
+    out: Tree,
+    draft_logits: torch.Tensor,
+    budget: int | torch.Tensor,
+    max_budget: int | None,
+) -> None:
+    largest = max_budget or (
+        int(budget.max()) if isinstance(budget, torch.Tensor) and budget.numel() else budget
+    )
+    if draft_logits.dim() != 3 or not isinstance(largest, int) or not 1 <= largest <= MAX_BUDGET:
+        # Bad inputs: the server names them; out cannot be checked against them.
+        _check_out("build_tree.out", out, Tree, {}, draft_logits.device, "draft_logits")
+        return
+    batch_size, draft_len, _ = draft_logits.shape
+    pair = (batch_size, 1 + largest)
+    _check_out(
+        "build_tree.out",
+        out,
+        Tree,
+        {
+            "tokens": (pair, torch.int64),
+            "parents": (pair, torch.int32),
+            "depths": (pair, torch.int32),
+            "log_probs": (pair, torch.float32),
+            "num_nodes": ((batch_size,), torch.int32),
+            "mask": ((*pair, mask_words(1 + largest)), torch.int64),
+        },
+        draft_logits.device,
+        "draft_logits",
+    )
+    if out.draft_len != draft_len:
+        raise _invalid("build_tree.out.draft_len", f"expected {draft_len}, got {out.draft_len}")
+
+
+def _check_acceptance_out(out: Acceptance, tree: Tree) -> None:
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if tree.tokens.dim() == 2:
+        path = (tree.tokens.shape[0], tree.draft_len + 1)
+        expected = {
+            "nodes": (path, torch.int32),
+            "tokens": (path, torch.int64),
+            "length": (path[:1], torch.int32),
+            "bonus": (path[:1], torch.int64),
+        }
+    _check_out("accept_tree.out", out, Acceptance, expected, tree.tokens.device, "tree.tokens")
 
 
 def _fields(prefix: str, names: Sequence[str], values: Sequence[torch.Tensor]) -> list[Any]:
@@ -261,9 +355,12 @@ def _build_tree_op(
     temperature: float,
     max_budget: int | None,
     model: str,
+    out: Tree | None,
 ) -> _Op[Tree]:
-    outputs = None
-    if ipc is not None and draft_logits.is_cuda and draft_logits.dim() == 3:
+    outputs = out
+    if out is not None:
+        _check_tree_out(out, draft_logits, budget, max_budget)
+    elif ipc is not None and draft_logits.is_cuda and draft_logits.dim() == 3:
         largest = max_budget or (int(budget.max()) if isinstance(budget, torch.Tensor) else budget)
         if 1 <= largest <= 1024:
             batch_size, draft_len, _ = draft_logits.shape
@@ -297,6 +394,8 @@ def _build_tree_op(
     def finish(response: pb.BuildTreeResponse, use_outputs: bool) -> Tree:
         if use_outputs and outputs is not None:
             return outputs
+        if out is not None:
+            return _wire.decode_tree_into(response.tree, out)
         return _wire.decode_tree(response.tree, draft_logits.device)
 
     tensors: list[tuple[str, torch.Tensor | None]] = [
@@ -305,12 +404,17 @@ def _build_tree_op(
     ]
     if outputs is not None:
         tensors += _tree_tensors("outputs", outputs)
+    memo_key = None
+    if out is not None and ipc is not None and not isinstance(budget, torch.Tensor):
+        # Per-request budgets travel inline: their values are not in the key.
+        memo_key = _memo_key(("BuildTree", temperature, max_budget, model, budget), tensors)
     return _Op(
         tensors=tensors,
         outputs=() if outputs is None else tuple(getattr(outputs, n) for n in _TREE_NAMES),
         make=make,
         finish=finish,
         idempotent=True,
+        memo_key=memo_key,
     )
 
 
@@ -324,9 +428,12 @@ def _accept_tree_op(
     seed: int | None,
     kv_commit: KvCommit | None,
     model: str,
+    out: Acceptance | None,
 ) -> _Op[Acceptance]:
-    outputs = None
-    if ipc is not None and tree.tokens.is_cuda and tree.tokens.dim() == 2:
+    outputs = out
+    if out is not None:
+        _check_acceptance_out(out, tree)
+    elif ipc is not None and tree.tokens.is_cuda and tree.tokens.dim() == 2:
         path = (tree.tokens.shape[0], tree.draft_len + 1)
         device = tree.tokens.device
         outputs = Acceptance(
@@ -351,7 +458,9 @@ def _accept_tree_op(
         )
 
     def finish(response: pb.AcceptTreeResponse, use_outputs: bool) -> Acceptance:
-        return _wire.finish_accept_tree(response, tree, kv_commit, outputs if use_outputs else None)
+        if use_outputs:
+            return _wire.finish_accept_tree(response, tree, kv_commit, outputs)
+        return _wire.finish_accept_tree(response, tree, kv_commit, into=out)
 
     tensors: list[tuple[str, torch.Tensor | None]] = _tree_tensors("tree", tree)
     tensors += [("target_tokens", target_tokens), ("target_logits", target_logits)]
@@ -365,6 +474,10 @@ def _accept_tree_op(
         tensors += _fields(
             "outputs", _ACCEPTANCE_NAMES, [getattr(outputs, n) for n in _ACCEPTANCE_NAMES]
         )
+    memo_key = None
+    if out is not None and ipc is not None:
+        scalars = ("AcceptTree", temperature, seed, model, tree.draft_len)
+        memo_key = _memo_key(scalars, tensors)
     return _Op(
         tensors=tensors,
         outputs=() if outputs is None else tuple(getattr(outputs, n) for n in _ACCEPTANCE_NAMES),
@@ -372,6 +485,7 @@ def _accept_tree_op(
         finish=finish,
         # A cache compacted in place must not be compacted twice by a retry.
         idempotent=kv_commit is None or ipc is None,
+        memo_key=memo_key,
     )
 
 
@@ -430,6 +544,30 @@ def _verify_attention_op(
         tensors += [("out", out), ("lse", lse)]
         outputs = (out, lse)
     return _Op(tensors=tensors, outputs=outputs, make=make, finish=finish, idempotent=True)
+
+
+def _memo_entry(ipc: ClientIpc, op: _Op[Any]) -> MemoEntry | None:
+    return None if op.memo_key is None else ipc.memo.get(op.memo_key)
+
+
+def _request(
+    ipc: ClientIpc,
+    op: _Op[Any],
+    refs: RequestRefs | None,
+    use_outputs: bool,
+    entry: MemoEntry | None,
+    generation: int,
+) -> Any:
+    """Order the inputs, then the request to send: the memo's ``entry`` (still valid), else
+    built and remembered when all of it travels by reference."""
+    wait = ipc.order_inputs(refs)  # every call: records the event or synchronises the stream
+    # The event handle is one per client and device, so a memoized request carries this one.
+    if entry is not None and entry.request.wait_event_ipc_handle == wait:
+        return entry.request
+    request = op.make(refs, use_outputs, wait)
+    if op.memo_key is not None and refs is not None and refs.covers(op.tensors):
+        ipc.memo.put(op.memo_key, request, refs, use_outputs, generation)
+    return request
 
 
 def _memory_regions(response: pb.ListMemoryResponse) -> list[MemoryRegion]:
@@ -535,23 +673,30 @@ class Client:
             if not ipc.knows_server:
                 info = self.server_info(timeout_s=timeout_s)
                 ipc.set_server(info.supports_memory_references, [d.uuid for d in info.devices])
-            refs = ipc.refs(op.tensors)
-            if refs is not None:
-                for allocation in refs.missing():
-                    request = ipc.register_request(allocation)
-                    registered = self._call(
-                        self._stub.RegisterMemory, request, timeout_s, idempotent=False
-                    )
-                    for stale in ipc.registry.add(allocation, registered.region_token):
-                        self._unregister_quietly(stale)
-            use_outputs = ipc.uses(refs, op.outputs)
-            request = op.make(refs, use_outputs, ipc.order_inputs(refs))
+            # Read before any token: an entry stored with it is valid while it is unchanged.
+            generation = ipc.registry.generation
+            entry = _memo_entry(ipc, op)
+            refs: RequestRefs | None
+            if entry is not None:
+                refs, use_outputs = entry.refs, entry.use_outputs
+            else:
+                refs = ipc.refs(op.tensors)
+                if refs is not None:
+                    for allocation in refs.missing():
+                        request = ipc.register_request(allocation)
+                        registered = self._call(
+                            self._stub.RegisterMemory, request, timeout_s, idempotent=False
+                        )
+                        for stale in ipc.registry.add(allocation, registered.region_token):
+                            self._unregister_quietly(stale)
+                use_outputs = ipc.uses(refs, op.outputs)
+            request = _request(ipc, op, refs, use_outputs, entry, generation)
             try:
                 response = self._call(method, request, timeout_s, idempotent=op.idempotent)
             except MemoryTokenNotFoundError:
                 if attempt or refs is None:
                     raise
-                ipc.forget_server()  # the server restarted: its regions are gone
+                ipc.forget_server()  # the server restarted: its regions (and the memo) are gone
                 continue
             return op.finish(response, use_outputs)
         raise AssertionError("unreachable: the loop returns or raises")
@@ -621,6 +766,7 @@ class Client:
         temperature: float = 1.0,
         max_budget: int | None = None,
         model: str = "",
+        out: Tree | None = None,
         timeout_s: float | None = None,
     ) -> Tree:
         """Build each request's DDTree (see ``ddtree.kernels.build_tree``).
@@ -640,18 +786,27 @@ class Client:
             Fixes ``num_nodes_max = 1 + max_budget`` for per-request budgets.
         model : str
             Optional label for per-model metrics, ``<= 64`` chars of ``[A-Za-z0-9_.:-]``.
+        out : Tree, optional
+            Where to put the result, returned itself; nothing is allocated for it. Tensors of
+            exactly the returned ``Tree``'s shapes and dtypes (``num_nodes_max = 1 +
+            (max_budget or budget)``, ``mask_words(num_nodes_max)`` mask words) and its
+            ``draft_len``, on ``draft_logits.device``, contiguous, sharing no memory with each
+            other or with the inputs. By reference the server writes them in place (nothing on
+            an error); inline the decoded result is copied into them. A repeated by-reference
+            call with the same tensors and arguments reuses its request (``RequestMemo``).
         timeout_s : float, optional
             Deadline of the call, all retries included.
 
         Returns
         -------
         Tree
-            On ``draft_logits.device``.
+            On ``draft_logits.device``; ``out`` when given.
 
         Raises
         ------
         InvalidArgumentError
-            Bad input; ``field`` names it.
+            Bad input; ``field`` names it (``build_tree.out.tokens`` for a destination that does
+            not fit, checked before anything is sent).
         """
         op = _build_tree_op(
             self._ipc,
@@ -661,6 +816,7 @@ class Client:
             temperature=temperature,
             max_budget=max_budget,
             model=model,
+            out=out,
         )
         return self._send(self._stub.BuildTree, op, timeout_s)
 
@@ -674,6 +830,7 @@ class Client:
         seed: int | None = None,
         kv_commit: KvCommit | None = None,
         model: str = "",
+        out: Acceptance | None = None,
         timeout_s: float | None = None,
     ) -> Acceptance:
         """Walk each tree along the target's verdict; optionally compact the KV cache.
@@ -695,13 +852,22 @@ class Client:
             The caller's paged KV cache, compacted in place to the accepted path.
         model : str
             Optional label for per-model metrics.
+        out : Acceptance, optional
+            Where to put the result, returned itself: tensors of exactly the returned
+            ``Acceptance``'s shapes and dtypes (``path_len = tree.draft_len + 1``), on
+            ``tree.device``, contiguous; as ``build_tree``'s ``out``.
         timeout_s : float, optional
             Deadline of the call, all retries included.
 
         Returns
         -------
         Acceptance
-            On ``tree.device``.
+            On ``tree.device``; ``out`` when given.
+
+        Raises
+        ------
+        InvalidArgumentError
+            Bad input; ``field`` names it (``accept_tree.out.nodes``, ...).
         """
         op = _accept_tree_op(
             self._ipc,
@@ -712,6 +878,7 @@ class Client:
             seed=seed,
             kv_commit=kv_commit,
             model=model,
+            out=out,
         )
         return self._send(self._stub.AcceptTree, op, timeout_s)
 
@@ -843,17 +1010,23 @@ class AsyncClient:
             if not ipc.knows_server:
                 info = await self.server_info(timeout_s=timeout_s)
                 ipc.set_server(info.supports_memory_references, [d.uuid for d in info.devices])
-            refs = ipc.refs(op.tensors)
-            if refs is not None:
-                for allocation in refs.missing():
-                    request = ipc.register_request(allocation)
-                    registered = await self._call(
-                        self._stub.RegisterMemory, request, timeout_s, idempotent=False
-                    )
-                    for stale in ipc.registry.add(allocation, registered.region_token):
-                        await self._unregister_quietly(stale)
-            use_outputs = ipc.uses(refs, op.outputs)
-            request = op.make(refs, use_outputs, ipc.order_inputs(refs))
+            generation = ipc.registry.generation
+            entry = _memo_entry(ipc, op)
+            refs: RequestRefs | None
+            if entry is not None:
+                refs, use_outputs = entry.refs, entry.use_outputs
+            else:
+                refs = ipc.refs(op.tensors)
+                if refs is not None:
+                    for allocation in refs.missing():
+                        request = ipc.register_request(allocation)
+                        registered = await self._call(
+                            self._stub.RegisterMemory, request, timeout_s, idempotent=False
+                        )
+                        for stale in ipc.registry.add(allocation, registered.region_token):
+                            await self._unregister_quietly(stale)
+                use_outputs = ipc.uses(refs, op.outputs)
+            request = _request(ipc, op, refs, use_outputs, entry, generation)
             try:
                 response = await self._call(method, request, timeout_s, idempotent=op.idempotent)
             except MemoryTokenNotFoundError:
@@ -921,6 +1094,7 @@ class AsyncClient:
         temperature: float = 1.0,
         max_budget: int | None = None,
         model: str = "",
+        out: Tree | None = None,
         timeout_s: float | None = None,
     ) -> Tree:
         """See ``Client.build_tree``."""
@@ -932,6 +1106,7 @@ class AsyncClient:
             temperature=temperature,
             max_budget=max_budget,
             model=model,
+            out=out,
         )
         return await self._send(self._stub.BuildTree, op, timeout_s)
 
@@ -945,6 +1120,7 @@ class AsyncClient:
         seed: int | None = None,
         kv_commit: KvCommit | None = None,
         model: str = "",
+        out: Acceptance | None = None,
         timeout_s: float | None = None,
     ) -> Acceptance:
         """See ``Client.accept_tree``."""
@@ -957,6 +1133,7 @@ class AsyncClient:
             seed=seed,
             kv_commit=kv_commit,
             model=model,
+            out=out,
         )
         return await self._send(self._stub.AcceptTree, op, timeout_s)
 
