@@ -71,6 +71,7 @@ from ddtree.service.memory import (
     RegionInfo,
     RegionTable,
 )
+from ddtree.service.replay import LaunchGraphs
 
 __all__ = ["DeviceInfo", "Engine", "EngineInfo", "EngineObserver"]
 
@@ -201,6 +202,15 @@ class EngineInfo:
     """GPU doorbell channels open at once; ``0``: this engine offers none."""
 
 
+def _layout(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
+    """What a kernel launch reads of a tensor: address, shape, strides, dtype."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
+
+
+def _tree_tensors(tree: Tree) -> tuple[torch.Tensor, ...]:
+    return tree.tokens, tree.parents, tree.depths, tree.log_probs, tree.num_nodes, tree.mask
+
+
 def _release(leases: Leases | None) -> None:
     # A call refused before its work is queued never reaches the future's release.
     if leases is not None:
@@ -305,6 +315,12 @@ class Engine:
         self._flag_views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._flags_are_zero = False
         """Whether the whole device flag buffer is known to be zero (``_flag_buffers``)."""
+        self._nodes_host: torch.Tensor | None = None
+        """Pinned host buffer for the tree sizes of builds into caller memory (``_host_copy``)."""
+        self._graphs: LaunchGraphs[Tree] | None = (
+            LaunchGraphs() if self._stream is not None else None
+        )
+        """Captured builds into caller memory, replayed for the same buffers (CUDA only)."""
         self.inline_ops = self.device.type == "cuda"
         """Whether ``inline=True`` calls run on the calling thread when the device is free (on
         by default on CUDA, where an op's host work and device wait take well under a
@@ -894,29 +910,59 @@ class Engine:
             if max_budget is None:
                 max_budget = int(budget.max())
             budget = self._to_device(budget)
-        tree, flags = self._launch_op(
-            "build_tree",
-            lambda f: kernels.build_tree(
+        out = call.out
+        batch_size = logits.shape[0]
+
+        def launch(flags: torch.Tensor) -> Tree:
+            # Into caller memory (``out``) the kernels write all or nothing: a flagged request
+            # anywhere in the batch leaves every destination untouched.
+            return kernels.build_tree(
                 logits,
                 roots,
                 budget,
                 temperature=call.temperature,
                 max_budget=max_budget,
-                error_flags=f,
+                error_flags=flags,
+                out=out,
                 backend=self.backend,
-            ),
-            logits.shape[0],
+            )
+
+        graphs = self._graphs
+        if out is None or graphs is None or not isinstance(budget, int):
+            tree, flags = self._launch_op("build_tree", launch, batch_size)
+            result = tree if out is not None else self._tree_result(tree, call.result_device)
+            self._check_flags("build_tree", flags)
+            self._observer.observe_trees(tree.num_nodes, model=call.model)
+            return result
+        # Outputs in caller memory on CUDA: the same buffers as an earlier call replay its
+        # launches (``LaunchGraphs``); the key names every argument of the kernels.
+        key = (
+            "build_tree",
+            *(_layout(t) for t in (logits, roots, *_tree_tensors(out))),
+            self._flag_buffers(batch_size)[0].data_ptr(),
+            budget,
+            max_budget,
+            call.temperature,
         )
-        result = tree if call.out is not None else self._tree_result(tree, call.result_device)
+        tree, flags = self._launch_op(
+            "build_tree", lambda f: graphs.run(key, lambda: launch(f)), batch_size
+        )
+        num_nodes = self._host_copy(tree.num_nodes)  # waited for with the flags
         self._check_flags("build_tree", flags)
-        self._observer.observe_trees(tree.num_nodes, model=call.model)
-        if call.out is not None:
-            # Caller memory, written only after the verdict: the kernels allocate their
-            # outputs, so copy (a few KB per request).
-            for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-                getattr(call.out, name).copy_(getattr(tree, name))
-            return call.out
-        return result
+        self._observer.observe_trees(num_nodes, model=call.model)
+        return tree
+
+    def _host_copy(self, num_nodes: torch.Tensor) -> torch.Tensor:
+        """Queue a copy of ``num_nodes`` (``[batch]`` int32, on the device) into this engine's
+        pinned host buffer; the view is valid after the next ``_check_flags`` and until the
+        next op."""
+        host = self._nodes_host
+        if host is None or host.numel() < num_nodes.numel():
+            size = max(num_nodes.numel(), self.limits.max_batch_size)
+            host = self._nodes_host = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        view = host[: num_nodes.numel()]
+        view.copy_(num_nodes, non_blocking=True)
+        return view
 
     def _tree_result(self, tree: Tree, device: torch.device | None) -> Tree:
         if device is None or device == self.device:

@@ -1,0 +1,126 @@
+"""Builds into caller memory replayed from CUDA graphs: same answers as the reference, every call.
+
+The engine captures a build the second time it sees the same buffers and replays it after that
+(``ddtree.service.replay.LaunchGraphs``). A replay must give exactly what a fresh launch gives
+for the buffers' current contents, leave the destinations untouched when a request is bad, and
+never be used for a call whose buffers or arguments differ. GPU only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from helpers.generators import draft_logits
+
+from ddtree import kernels
+from ddtree.kernels.types import Tree, mask_words
+from ddtree.service.calls import BuildTreeCall
+from ddtree.service.engine import Engine
+from ddtree.service.errors import InvalidToken
+from ddtree.service.replay import LaunchGraphs
+
+pytestmark = pytest.mark.gpu
+
+BATCH, DRAFT_LEN, VOCAB = 8, 16, 32000
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    with Engine(device="cuda:0") as running:
+        running.warm_up()
+        yield running
+
+
+def _poisoned_out(budget: int) -> Tree:
+    pair = (BATCH, budget + 1)
+    return Tree(
+        tokens=torch.full(pair, 7777, dtype=torch.int64, device="cuda"),
+        parents=torch.full(pair, 7777, dtype=torch.int32, device="cuda"),
+        depths=torch.full(pair, 7777, dtype=torch.int32, device="cuda"),
+        log_probs=torch.full(pair, 7777.0, device="cuda"),
+        num_nodes=torch.full((BATCH,), 7777, dtype=torch.int32, device="cuda"),
+        mask=torch.full((*pair, mask_words(budget + 1)), 7777, dtype=torch.int64, device="cuda"),
+        draft_len=DRAFT_LEN,
+    )
+
+
+def _assert_same(actual: Tree, expected: Tree) -> None:
+    for name in ("tokens", "parents", "depths", "num_nodes", "mask"):
+        assert torch.equal(getattr(actual, name), getattr(expected, name)), name
+    assert torch.allclose(actual.log_probs, expected.log_probs, atol=1e-4, rtol=0)
+
+
+def _graphs(engine: Engine) -> LaunchGraphs[Tree]:
+    graphs = engine._graphs
+    assert graphs is not None
+    return graphs
+
+
+def test_repeated_builds_are_replayed_with_fresh_inputs(engine: Engine) -> None:
+    logits = torch.empty(BATCH, DRAFT_LEN, VOCAB, dtype=torch.bfloat16, device="cuda")
+    roots = torch.empty(BATCH, dtype=torch.int64, device="cuda")
+    out = _poisoned_out(64)
+    call = BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=64, out=out)
+    for step in range(5):  # eager, captured, then replayed
+        logits.copy_(draft_logits(BATCH, DRAFT_LEN, VOCAB, seed=step, dtype=torch.bfloat16))
+        roots.copy_(
+            torch.randint(0, VOCAB, (BATCH,), generator=torch.Generator().manual_seed(step))
+        )
+        for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
+            getattr(out, name).fill_(7777)
+        tree = engine.build_tree(call, inline=True).result(timeout=60)
+        assert tree is out
+        _assert_same(out, kernels.build_tree(logits, roots, 64, backend="reference"))
+    assert _graphs(engine).replays == 4
+    assert len(_graphs(engine)) == 1
+
+
+def test_a_bad_root_in_a_replay_leaves_caller_memory_untouched(engine: Engine) -> None:
+    logits = draft_logits(BATCH, DRAFT_LEN, VOCAB, seed=3, dtype=torch.bfloat16, device="cuda")
+    roots = torch.randint(0, VOCAB, (BATCH,), device="cuda")
+    out = _poisoned_out(32)
+    call = BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=32, out=out)
+    for _ in range(3):
+        engine.build_tree(call).result(timeout=60)
+    assert _graphs(engine).replays == 2
+    expected = kernels.build_tree(logits, roots, 32, backend="reference")
+    roots[5] = VOCAB
+    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
+        getattr(out, name).fill_(7777)
+    with pytest.raises(InvalidToken, match=r"build_tree\.root_tokens\[5\]"):
+        engine.build_tree(call).result(timeout=60)
+    assert _graphs(engine).replays == 3
+    assert bool((out.tokens == 7777).all()) and bool((out.num_nodes == 7777).all())
+    roots[5] = 0
+    expected = kernels.build_tree(logits, roots, 32, backend="reference")
+    engine.build_tree(call).result(timeout=60)  # the next call is clean again
+    _assert_same(out, expected)
+
+
+def test_other_buffers_or_arguments_are_not_replayed(engine: Engine) -> None:
+    logits = draft_logits(BATCH, DRAFT_LEN, VOCAB, seed=4, dtype=torch.bfloat16, device="cuda")
+    roots = torch.randint(0, VOCAB, (BATCH,), device="cuda")
+    out = _poisoned_out(16)
+    base = BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=16, out=out)
+    for _ in range(2):
+        engine.build_tree(base).result(timeout=60)
+    replays = _graphs(engine).replays
+    variants = [
+        BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=16, out=out, temperature=0.5),
+        BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=9, max_budget=16, out=out),
+        BuildTreeCall(draft_logits=logits.clone(), root_tokens=roots, budget=16, out=out),
+    ]
+    for variant in variants:
+        engine.build_tree(variant).result(timeout=60)
+        expected = kernels.build_tree(
+            variant.draft_logits,
+            roots,
+            variant.budget,
+            temperature=variant.temperature,
+            max_budget=16,
+            backend="reference",
+        )
+        _assert_same(out, expected)
+    assert _graphs(engine).replays == replays
