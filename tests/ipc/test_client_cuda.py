@@ -7,9 +7,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import torch
+from google.rpc import error_details_pb2, status_pb2
 from helpers.service_inputs import BUDGET, make_step
 from helpers.serving import ServerThread
 
@@ -20,11 +23,14 @@ from ddtree.clients.cuda import (
     ClientIpc,
     ExportError,
     MemoryRegistry,
+    RequestMemo,
     RequestRefs,
     locate,
     require_cuda_python,
 )
+from ddtree.kernels.types import Tree
 from ddtree.service.config import ServiceConfig
+from ddtree.v1 import tree_speculation_service_pb2 as pb
 
 
 def allocation(base: int, size: int, buffer_id: int, uuid: str = "GPU-a") -> Allocation:
@@ -289,3 +295,251 @@ def test_async_client_auto_transport_falls_back_inline(cpu_server: ServerThread)
     assert torch.equal(tokens, expected.tokens)
     assert torch.equal(nodes, expected_acceptance.nodes)
     assert regions == []
+
+
+# --- RequestMemo: a repeated by-reference call reuses its request while that is safe ----------
+
+HANDLE = b"e" * 64
+TREE_NAMES = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
+
+
+def fake_tensor(shape: tuple[int, ...], dtype: torch.dtype, pointer: int) -> FakeCudaTensor:
+    """A host tensor of ``shape`` and ``dtype`` that claims to live at ``pointer`` on cuda:0."""
+    tensor = torch.Tensor._make_subclass(FakeCudaTensor, torch.zeros(shape, dtype=dtype))
+    tensor.fake_pointer = pointer  # type: ignore[attr-defined]
+    return tensor  # type: ignore[return-value]
+
+
+class TokenNotFound(grpc.RpcError):
+    """What a restarted server answers for a token of its previous life."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self) -> str:
+        return "build_tree.draft_logits: unknown memory token"
+
+    def trailing_metadata(self) -> tuple[tuple[str, bytes], ...]:
+        status = status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0])
+        status.details.add().Pack(
+            error_details_pb2.ErrorInfo(reason="MEMORY_TOKEN_NOT_FOUND", domain="ddtree.v1")
+        )
+        return (("grpc-status-details-bin", status.SerializeToString()),)
+
+
+class FakeStub:
+    """A server on GPU-a that records what it is sent and hands out fresh tokens."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.BuildTreeRequest] = []
+        self.registered = 0
+        self.unregistered: list[str] = []
+        self.forget_next = False
+
+    def GetServerInfo(self, request: object, timeout: float) -> pb.GetServerInfoResponse:  # noqa: N802
+        return pb.GetServerInfoResponse(
+            devices=[pb.Device(uuid="GPU-a")], supports_memory_references=True
+        )
+
+    def RegisterMemory(self, request: object, timeout: float) -> pb.RegisterMemoryResponse:  # noqa: N802
+        self.registered += 1
+        return pb.RegisterMemoryResponse(region_token=f"tok-{self.registered}")
+
+    def UnregisterMemory(  # noqa: N802
+        self, request: pb.UnregisterMemoryRequest, timeout: float
+    ) -> pb.UnregisterMemoryResponse:
+        self.unregistered.append(request.region_token)
+        return pb.UnregisterMemoryResponse()
+
+    def BuildTree(self, request: pb.BuildTreeRequest, timeout: float) -> pb.BuildTreeResponse:  # noqa: N802
+        self.sent.append(request)
+        if self.forget_next:
+            self.forget_next = False
+            raise TokenNotFound()
+        return pb.BuildTreeResponse()
+
+
+class Rig:
+    """A ``Client(tensor_transport="ipc")`` over a fake driver and a fake server.
+
+    Logits live in one allocation; the root tokens and the six destinations of ``out`` in
+    another, as torch's caching allocator places them.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.driver = FakeDriver()
+        self.stub = FakeStub()
+        self.client = Client("127.0.0.1:1", tensor_transport="ipc", use_ipc_events=True)
+        ipc = self.client._ipc
+        assert ipc is not None
+        self.ipc = ipc
+        ipc.allocations = fake_cache(self.driver)
+        ipc.memo = RequestMemo(ipc.registry, buffer_id=self.driver.buffer_id)
+        self.ordered = 0
+
+        def order_inputs(refs: RequestRefs | None) -> bytes:
+            self.ordered += 1  # the event is recorded on every call, memo or not
+            return HANDLE
+
+        monkeypatch.setattr(ipc, "order_inputs", order_inputs)
+        monkeypatch.setattr(
+            ipc,
+            "register_request",
+            lambda found: pb.RegisterMemoryRequest(device_uuid=found.device_uuid),
+        )
+        self.client._stub = self.stub  # type: ignore[assignment]
+        self.big = self.driver.malloc(0x1000000, 0x1000000)
+        self.small = self.driver.malloc(0x4000000, 0x100000)
+        self.logits = fake_tensor((2, 3, 5), torch.float32, self.big.base_pointer + 0x200)
+        self.roots = fake_tensor((2,), torch.int64, self.small.base_pointer)
+        shapes = {
+            "tokens": ((2, 5), torch.int64),
+            "parents": ((2, 5), torch.int32),
+            "depths": ((2, 5), torch.int32),
+            "log_probs": ((2, 5), torch.float32),
+            "num_nodes": ((2,), torch.int32),
+            "mask": ((2, 5, 1), torch.int64),
+        }
+        self.out = Tree(
+            **{
+                name: fake_tensor(shape, dtype, self.small.base_pointer + 256 * (i + 1))
+                for i, (name, (shape, dtype)) in enumerate(shapes.items())
+            },
+            draft_len=3,
+        )
+
+    def build(self, **kwargs: Any) -> pb.BuildTreeRequest:
+        """One call with the rig's buffers; returns the request the server got."""
+        tree = self.client.build_tree(self.logits, self.roots, 4, out=self.out, **kwargs)
+        assert tree is self.out
+        return self.stub.sent[-1]
+
+
+@pytest.fixture
+def rig(monkeypatch: pytest.MonkeyPatch) -> Iterator[Rig]:
+    made = Rig(monkeypatch)
+    yield made
+    made.client.close()
+
+
+def tokens_of(request: pb.BuildTreeRequest) -> set[str]:
+    refs = [request.draft_logits.ref, request.root_tokens.ref]
+    refs += [getattr(request.outputs, name) for name in TREE_NAMES]
+    return {ref.region_token for ref in refs}
+
+
+def test_a_repeated_call_reuses_its_request(rig: Rig) -> None:
+    registering = rig.build()
+    assert tokens_of(registering) == {"tok-1", "tok-2"}
+    # The first call registered memory after reading the registry's generation, so its
+    # request is not trusted; the second builds one that is.
+    first = rig.build()
+    assert first is not registering and tokens_of(first) == {"tok-1", "tok-2"}
+    assert first.draft_logits.ref.offset_bytes == 0x200
+    assert first.outputs.mask.offset_bytes == 256 * 6
+    for _ in range(3):
+        assert rig.build() is first
+    assert (rig.ipc.memo.hits, rig.stub.registered, rig.ordered) == (3, 2, 5)
+    assert first.wait_event_ipc_handle == HANDLE
+    # Two allocations located once; a full build asks for their buffer ids, a hit too.
+    assert rig.driver.describe_calls == 2
+    assert rig.driver.buffer_id_calls == 2 * 5
+    # Another scalar is another request.
+    other = rig.build(temperature=0.5)
+    assert other is not first and other.temperature == 0.5
+    assert rig.build() is first
+
+
+def test_memory_freed_and_reallocated_at_the_same_address_misses(rig: Rig) -> None:
+    rig.build()
+    first = rig.build()
+    assert rig.build() is first and rig.ipc.memo.hits == 1
+    # torch.cuda.empty_cache() freed the small segment; a new cudaMalloc returned the same
+    # range. Same pointers, shapes and strides: only the buffer id tells them apart.
+    rig.driver.free(rig.small)
+    new = rig.driver.malloc(rig.small.base_pointer, rig.small.byte_size)
+    second = rig.build()
+    assert second is not first
+    assert rig.ipc.memo.hits == 1
+    # The new allocation was registered and the server is told to write there.
+    assert rig.stub.registered == 3
+    assert second.outputs.tokens.region_token == "tok-3"
+    assert second.root_tokens.ref.region_token == "tok-3"
+    assert second.draft_logits.ref.region_token == "tok-1"
+    assert rig.stub.unregistered == ["tok-2"]  # the old allocation's registration
+    assert rig.ipc.registry.token(new) == "tok-3"
+    # Registering bumped the registry: one more full build, then the new request is reused.
+    third = rig.build()
+    assert rig.build() is third and tokens_of(third) == {"tok-1", "tok-3"}
+
+
+def test_a_registry_change_misses_until_rebuilt(rig: Rig) -> None:
+    rig.build()
+    first = rig.build()
+    assert rig.build() is first
+    rig.ipc.registry.add(allocation(0x9000000, 0x1000, 99), "tok-other")
+    second = rig.build()
+    assert second is not first and tokens_of(second) == tokens_of(first)
+    assert rig.build() is second
+
+
+def test_token_not_found_drops_the_memo_and_registers_again(rig: Rig) -> None:
+    rig.build()
+    first = rig.build()
+    assert rig.build() is first
+    rig.stub.forget_next = True  # the server restarted
+    retried = rig.build()
+    assert rig.stub.sent[-2] is first  # the memoized request met the restarted server
+    assert retried is not first
+    assert tokens_of(retried) == {"tok-3", "tok-4"}
+    assert all(rig.build() is not first for _ in range(2))
+    assert "tok-1" not in tokens_of(rig.stub.sent[-1])
+
+
+def test_per_request_budgets_and_inline_tensors_are_never_memoized(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budgets = torch.tensor([4, 3])
+    for _ in range(2):
+        rig.client.build_tree(rig.logits, rig.roots, budgets, max_budget=4, out=rig.out)
+    assert len(rig.ipc.memo) == 0
+    assert rig.stub.sent[0] is not rig.stub.sent[1]
+    # "auto" sends a CPU tensor inline: its bytes, not its address, are in the request.
+    monkeypatch.setattr(rig.ipc, "transport", "auto")
+    rig.out = Tree(**{n: getattr(rig.out, n) for n in TREE_NAMES}, draft_len=3)
+    cpu_roots = torch.tensor([1, 2])
+    for value in (1, 2):
+        cpu_roots.fill_(value)
+        rig.client.build_tree(rig.logits, cpu_roots, 4, out=rig.out)
+    assert len(rig.ipc.memo) == 0 and rig.ipc.memo.hits == 0
+    sent = rig.stub.sent[-1].root_tokens
+    assert sent.WhichOneof("data") == "inline"
+    assert torch.frombuffer(bytearray(sent.inline), dtype=torch.int64).tolist() == [2, 2]
+
+
+def test_memo_keeps_the_most_recent_requests_and_probes_each_allocation() -> None:
+    driver = FakeDriver()
+    made = driver.malloc(0x200000, 0x200000)
+    registry = MemoryRegistry("me")
+    registry.add(made, "tok")
+    memo = RequestMemo(registry, max_entries=2, buffer_id=driver.buffer_id)
+    refs = RequestRefs(registry, "ipc", "GPU-a", fake_cache(driver))
+    refs.add([("q", FakeCudaTensor(64, made.base_pointer + 64))])
+    assert refs.probes == ((made.base_pointer + 64, 0, made.buffer_id),)
+    for key in ("a", "b"):
+        memo.put(key, key, refs, True, registry.generation)
+    assert memo.get("a") is not None  # "a" is now the most recent
+    memo.put("c", "c", refs, True, registry.generation)
+    assert memo.get("b") is None and memo.get("a") is not None and len(memo) == 2
+    driver.free(made)  # the probe's address is no device memory any more
+    calls = driver.buffer_id_calls
+
+    def gone(pointer: int, device_index: int, field: str) -> int:
+        raise ExportError("memo: cuPointerGetAttribute(BUFFER_ID) failed")
+
+    unmapped = RequestMemo(registry, buffer_id=gone)
+    unmapped.put("a", "a", refs, True, registry.generation)
+    assert unmapped.get("a") is None and len(unmapped) == 0
+    assert driver.buffer_id_calls == calls
+    memo.clear()
+    assert len(memo) == 0
