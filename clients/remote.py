@@ -242,6 +242,9 @@ class _Op(Generic[_T]):
     memo_key: Hashable | None = None
     """Key of the request in the client's ``RequestMemo``; ``None``: never memoized (the
     client allocated the destinations, or some bytes always travel inline)."""
+    check: Callable[[], None] = lambda: None
+    """Checks of the arguments that the key decides: run before a request is built, skipped
+    for a memoized one (an earlier call with the same key passed them)."""
 
 
 def _memo_key(scalars: tuple[Any, ...], tensors: list[tuple[str, torch.Tensor | None]]) -> Hashable:
@@ -258,6 +261,11 @@ def _invalid(field: str, problem: str) -> InvalidArgumentError:
     )
 
 
+def _check_kind(prefix: str, out: object, kind: type) -> None:
+    if not isinstance(out, kind):
+        raise _invalid(prefix, f"expected a {kind.__name__}, got {type(out).__name__}")
+
+
 def _check_out(
     prefix: str,
     out: object,
@@ -268,8 +276,7 @@ def _check_out(
 ) -> None:
     """Refuse destinations ``out`` (a ``kind``) unless each tensor has its ``expected`` shape
     and dtype, lies on ``device`` (where the input ``main`` is) and is contiguous."""
-    if not isinstance(out, kind):
-        raise _invalid(prefix, f"expected a {kind.__name__}, got {type(out).__name__}")
+    _check_kind(prefix, out, kind)
     for name, (shape, dtype) in expected.items():
         field = f"{prefix}.{name}"
         tensor = getattr(out, name)
@@ -359,7 +366,7 @@ def _build_tree_op(
 ) -> _Op[Tree]:
     outputs = out
     if out is not None:
-        _check_tree_out(out, draft_logits, budget, max_budget)
+        _check_kind("build_tree.out", out, Tree)
     elif ipc is not None and draft_logits.is_cuda and draft_logits.dim() == 3:
         largest = max_budget or (int(budget.max()) if isinstance(budget, torch.Tensor) else budget)
         if 1 <= largest <= 1024:
@@ -404,17 +411,27 @@ def _build_tree_op(
     ]
     if outputs is not None:
         tensors += _tree_tensors("outputs", outputs)
+    if out is None:
+        return _Op(
+            tensors=tensors,
+            outputs=() if outputs is None else tuple(getattr(outputs, n) for n in _TREE_NAMES),
+            make=make,
+            finish=finish,
+            idempotent=True,
+        )
     memo_key = None
-    if out is not None and ipc is not None and not isinstance(budget, torch.Tensor):
+    if ipc is not None and not isinstance(budget, torch.Tensor):
         # Per-request budgets travel inline: their values are not in the key.
-        memo_key = _memo_key(("BuildTree", temperature, max_budget, model, budget), tensors)
+        scalars = ("BuildTree", temperature, max_budget, model, budget, out.draft_len)
+        memo_key = _memo_key(scalars, tensors)
     return _Op(
         tensors=tensors,
-        outputs=() if outputs is None else tuple(getattr(outputs, n) for n in _TREE_NAMES),
+        outputs=tuple(getattr(out, n) for n in _TREE_NAMES),
         make=make,
         finish=finish,
         idempotent=True,
         memo_key=memo_key,
+        check=lambda: _check_tree_out(out, draft_logits, budget, max_budget),
     )
 
 
@@ -432,7 +449,7 @@ def _accept_tree_op(
 ) -> _Op[Acceptance]:
     outputs = out
     if out is not None:
-        _check_acceptance_out(out, tree)
+        _check_kind("accept_tree.out", out, Acceptance)
     elif ipc is not None and tree.tokens.is_cuda and tree.tokens.dim() == 2:
         path = (tree.tokens.shape[0], tree.draft_len + 1)
         device = tree.tokens.device
@@ -486,6 +503,7 @@ def _accept_tree_op(
         # A cache compacted in place must not be compacted twice by a retry.
         idempotent=kv_commit is None or ipc is None,
         memo_key=memo_key,
+        check=lambda: None if out is None else _check_acceptance_out(out, tree),
     )
 
 
@@ -667,6 +685,7 @@ class Client:
         """Run one data RPC, registering memory as needed; re-register once on NOT_FOUND."""
         ipc = self._ipc
         if ipc is None:
+            op.check()
             response = self._call(method, op.make(None, False, b""), timeout_s, idempotent=True)
             return op.finish(response, False)
         for attempt in range(2):
@@ -680,6 +699,7 @@ class Client:
             if entry is not None:
                 refs, use_outputs = entry.refs, entry.use_outputs
             else:
+                op.check()
                 refs = ipc.refs(op.tensors)
                 if refs is not None:
                     for allocation in refs.missing():
@@ -1002,6 +1022,7 @@ class AsyncClient:
         """See ``Client._send``."""
         ipc = self._ipc
         if ipc is None:
+            op.check()
             response = await self._call(
                 method, op.make(None, False, b""), timeout_s, idempotent=True
             )
@@ -1016,6 +1037,7 @@ class AsyncClient:
             if entry is not None:
                 refs, use_outputs = entry.refs, entry.use_outputs
             else:
+                op.check()
                 refs = ipc.refs(op.tensors)
                 if refs is not None:
                     for allocation in refs.missing():

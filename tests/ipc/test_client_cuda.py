@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from ddtree.clients.cuda import (
     locate,
     require_cuda_python,
 )
+from ddtree.clients.errors import InvalidArgumentError
 from ddtree.kernels.types import Tree
 from ddtree.service.config import ServiceConfig
 from ddtree.v1 import tree_speculation_service_pb2 as pb
@@ -543,3 +545,19 @@ def test_memo_keeps_the_most_recent_requests_and_probes_each_allocation() -> Non
     assert driver.buffer_id_calls == calls
     memo.clear()
     assert len(memo) == 0
+
+
+def test_a_memoized_call_with_other_destinations_is_still_checked(rig: Rig) -> None:
+    rig.build()
+    rig.build()
+    good = rig.out
+    pointer = good.tokens.data_ptr()
+    wrong_dtype = dataclasses.replace(good, tokens=fake_tensor((2, 5), torch.int32, pointer))
+    with pytest.raises(InvalidArgumentError) as raised:
+        rig.client.build_tree(rig.logits, rig.roots, 4, out=wrong_dtype)
+    assert raised.value.field == "build_tree.out.tokens"
+    # Same tensors, another draft_len: the key holds it, so the check runs again.
+    with pytest.raises(InvalidArgumentError) as raised:
+        rig.client.build_tree(rig.logits, rig.roots, 4, out=dataclasses.replace(good, draft_len=4))
+    assert raised.value.field == "build_tree.out.draft_len"
+    assert rig.build() is rig.stub.sent[1] and rig.ipc.memo.hits == 1
