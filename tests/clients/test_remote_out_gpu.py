@@ -1,0 +1,141 @@
+"""``out=`` by CUDA IPC reference and the client's request memo, against ``ddtree serve``.
+
+The server and the caller are separate processes. Results written into ``out`` by reference must
+equal the inline path; a repeated call with the same buffers reuses its request; memory that was
+freed and allocated again at the same address must miss the memo, and the server must write the
+new allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.ipc import ServerProcess
+
+from ddtree.clients import Client
+from ddtree.kernels.types import Acceptance, Tree, mask_words
+
+pytestmark = pytest.mark.gpu
+
+TREE_NAMES = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
+ACCEPTANCE_NAMES = ("nodes", "tokens", "length", "bonus")
+BATCH_SIZE = 3
+DRAFT_LEN = 5
+BUDGET = 24
+SEGMENT_BYTES = 32 << 20  # torch gives requests of 10 MiB and more a cudaMalloc of their own
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Iterator[ServerProcess]:
+    process = ServerProcess(tmp_path_factory.mktemp("out") / "ddtree.sock")
+    try:
+        yield process.wait_serving()
+    finally:
+        process.stop()
+
+
+def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(BATCH_SIZE, DRAFT_LEN, 4099, generator=generator) * 3
+    roots = torch.randint(0, 4099, (BATCH_SIZE,), generator=generator)
+    return logits.to(torch.bfloat16).cuda(), roots.cuda()
+
+
+def tree_in(buffer: torch.Tensor) -> Tree:
+    """Destinations of a BuildTree carved out of ``buffer`` (a uint8 CUDA tensor), -7 filled."""
+    nodes = 1 + BUDGET
+    pair = (BATCH_SIZE, nodes)
+    shapes = {
+        "tokens": (pair, torch.int64),
+        "parents": (pair, torch.int32),
+        "depths": (pair, torch.int32),
+        "log_probs": (pair, torch.float32),
+        "num_nodes": ((BATCH_SIZE,), torch.int32),
+        "mask": ((*pair, mask_words(nodes)), torch.int64),
+    }
+    views = {}
+    offset = 0
+    for name, (shape, dtype) in shapes.items():
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        view = buffer[offset : offset + size].view(dtype).view(shape)
+        view.fill_(-7)
+        views[name] = view
+        offset += (size + 255) // 256 * 256
+    return Tree(**views, draft_len=DRAFT_LEN)
+
+
+def acceptance_like(tree: Tree) -> Acceptance:
+    path = (BATCH_SIZE, tree.draft_len + 1)
+    device = tree.device
+    return Acceptance(
+        nodes=torch.full(path, -7, dtype=torch.int32, device=device),
+        tokens=torch.full(path, -7, dtype=torch.int64, device=device),
+        length=torch.full((BATCH_SIZE,), -7, dtype=torch.int32, device=device),
+        bonus=torch.full((BATCH_SIZE,), -7, dtype=torch.int64, device=device),
+    )
+
+
+def assert_same(got: object, expected: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+@pytest.mark.parametrize("use_ipc_events", [False, True], ids=["stream-sync", "ipc-event"])
+def test_out_by_reference_equals_inline_and_repeats_hit_the_memo(
+    server: ServerProcess, use_ipc_events: bool
+) -> None:
+    logits, roots = inputs(seed=1)
+    buffer = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    out = tree_in(buffer)
+    with (
+        Client(server.address, tensor_transport="ipc", use_ipc_events=use_ipc_events) as ipc,
+        Client(server.address) as inline,
+    ):
+        expected = inline.build_tree(logits, roots, BUDGET)
+        for _ in range(5):
+            for name in TREE_NAMES:
+                getattr(out, name).fill_(-7)
+            assert ipc.build_tree(logits, roots, BUDGET, out=out) is out
+            assert_same(out, expected, TREE_NAMES)
+        memo = ipc._ipc.memo  # type: ignore[union-attr]
+        # The first call registers (its request is not kept), the second builds the request
+        # that the other three reuse.
+        assert memo.hits == 3
+
+        targets = expected.tokens.clone()
+        destination = acceptance_like(out)
+        expected_acceptance = inline.accept_tree(expected, targets)
+        for _ in range(3):
+            assert ipc.accept_tree(out, targets, out=destination) is destination
+            assert_same(destination, expected_acceptance, ACCEPTANCE_NAMES)
+        assert memo.hits >= 4
+
+
+def test_memory_freed_and_reallocated_at_the_same_address_is_written_anew(
+    server: ServerProcess,
+) -> None:
+    logits, roots = inputs(seed=2)
+    with (
+        Client(server.address, tensor_transport="ipc") as ipc,
+        Client(server.address) as inline,
+    ):
+        expected = inline.build_tree(logits, roots, BUDGET)
+        memo = ipc._ipc.memo  # type: ignore[union-attr]
+        buffer = torch.empty(SEGMENT_BYTES, dtype=torch.uint8, device="cuda")
+        address = buffer.data_ptr()
+        out = tree_in(buffer)
+        for _ in range(3):
+            ipc.build_tree(logits, roots, BUDGET, out=out)
+        assert memo.hits == 1
+        del out, buffer
+        torch.cuda.empty_cache()  # cudaFree of the segment
+        buffer = torch.empty(SEGMENT_BYTES, dtype=torch.uint8, device="cuda")
+        # Same address, same views: the memo key is the same; only the buffer id differs.
+        assert buffer.data_ptr() == address, "cudaMalloc did not reuse the freed address"
+        out = tree_in(buffer)
+        assert ipc.build_tree(logits, roots, BUDGET, out=out) is out
+        assert memo.hits == 1
+        assert_same(out, expected, TREE_NAMES)  # the server wrote the new allocation
