@@ -561,3 +561,33 @@ def test_a_memoized_call_with_other_destinations_is_still_checked(rig: Rig) -> N
         rig.client.build_tree(rig.logits, rig.roots, 4, out=dataclasses.replace(good, draft_len=4))
     assert raised.value.field == "build_tree.out.draft_len"
     assert rig.build() is rig.stub.sent[1] and rig.ipc.memo.hits == 1
+
+
+class AsyncStub:
+    """``FakeStub``'s methods, awaitable."""
+
+    def __init__(self, stub: FakeStub) -> None:
+        self._stub = stub
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+
+        async def call(request: Any, timeout: float) -> Any:
+            return method(request, timeout)
+
+        return call
+
+
+def test_async_client_reuses_its_request(rig: Rig) -> None:
+    async def run() -> None:
+        async with AsyncClient("127.0.0.1:1", tensor_transport="ipc") as client:
+            client._ipc = rig.ipc
+            client._stub = AsyncStub(rig.stub)  # type: ignore[assignment]
+            for _ in range(4):
+                tree = await client.build_tree(rig.logits, rig.roots, 4, out=rig.out)
+                assert tree is rig.out
+
+    asyncio.run(run())
+    assert rig.ipc.memo.hits == 2 and rig.ordered == 4
+    assert rig.stub.sent[1] is rig.stub.sent[2] is rig.stub.sent[3]
+    assert rig.stub.sent[0] is not rig.stub.sent[1]
