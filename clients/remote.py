@@ -4,9 +4,10 @@ Connect by ``host:port`` or ``unix:/path``. Tensors travel inline by default; re
 on the device of the call's main input (``draft_logits``, ``tree``, ``q``). With
 ``tensor_transport="ipc"`` (or ``"auto"``) a client on the server's node sends CUDA tensors as
 references into memory it registered once by CUDA IPC (``ddtree.clients.cuda``), the server
-writes results straight into fresh tensors of the caller's, and a KV cache is compacted in place;
-when the server has forgotten the registrations (restart) the client registers again and retries
-once, transparently. Every call takes a
+writes results straight into fresh tensors of the caller's (or into the caller's ``out=``), and a
+KV cache is compacted in place; a call repeating an earlier one with the same buffers reuses its
+request (``RequestMemo``); when the server has forgotten the registrations (restart) the client
+registers again and retries once, transparently. Every call takes a
 ``timeout_s`` (default ``default_timeout_s``), which is the deadline for all attempts together.
 Only UNAVAILABLE and RESOURCE_EXHAUSTED are retried, only for idempotent RPCs, with jittered
 exponential back-off (at least the server's ``RetryInfo`` delay) and a retry budget shared by
