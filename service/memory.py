@@ -769,6 +769,17 @@ class Leases:
         views[key] = view
         return view
 
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """Tokens of the regions this call holds, in the order they were first leased."""
+        return tuple(self._held)
+
+    def hold(self, field: str, token: str) -> None:
+        """Lease the region of ``token`` for this call without resolving a reference (a call
+        decoded earlier whose views are reused); raises as ``resolve`` does."""
+        if token not in self._held:
+            self._acquire(field, token)
+
     def _acquire(self, field: str, token: str) -> _Region:
         region = self._table._acquire(token, field, self._owner)
         with self._lock:

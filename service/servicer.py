@@ -18,6 +18,7 @@ from google.protobuf.message import Message
 
 from ddtree.service import convert
 from ddtree.service.access import client_identity
+from ddtree.service.call_memo import DecodedCalls
 from ddtree.service.channel import open_channel_args
 from ddtree.service.config import ServiceConfig
 from ddtree.service.engine import Engine
@@ -70,6 +71,8 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         self._resolver = resolver
         self._active = 0
         """Data calls (BuildTree, AcceptTree, VerifyAttention) being handled now."""
+        self._calls = DecodedCalls()
+        """By-reference calls decoded earlier, for callers that send the same request again."""
 
     def _budget_s(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()
@@ -105,7 +108,7 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         self._active += 1  # counted while handled: ``_inline`` reads the count
         try:
             if byte_size <= _OFFLOAD_BYTES:
-                call = decode(request, resolver, deadline_s=deadline_s)
+                call = self._calls.decode(decode, request, resolver, deadline_s=deadline_s)
             else:
                 call = await _convert(
                     byte_size, lambda: decode(request, resolver, deadline_s=deadline_s)

@@ -1,0 +1,132 @@
+"""Decoded by-reference calls reused by request bytes (``ddtree.service.call_memo``), on CPU.
+
+A kept call must be reused only for the same caller and the same bytes, must lease its regions
+again on every reuse, and must never outlive the registration it was decoded against.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.ipc import HostMapper
+
+from ddtree.service import convert
+from ddtree.service.call_memo import DecodedCalls
+from ddtree.service.calls import BuildTreeCall, CallLimits
+from ddtree.service.errors import MemoryTokenNotFound
+from ddtree.service.memory import MemoryLimits, RegionTable
+from ddtree.v1 import tensor_pb2
+from ddtree.v1 import tree_speculation_service_pb2 as pb
+
+UUID = "GPU-test-0000"
+
+
+def make_resolver(
+    mapper: HostMapper, owner: str = "unix", **limits: bool
+) -> tuple[convert.TensorResolver, RegionTable]:
+    table = RegionTable(
+        device=torch.device("cpu"),
+        device_uuid=UUID,
+        mapper=mapper,
+        limits=MemoryLimits(**limits),  # type: ignore[arg-type]
+    )
+    return convert.TensorResolver(CallLimits(), table, owner), table
+
+
+def register(table: RegionTable, mapper: HostMapper, owner: str = "unix") -> str:
+    handle = mapper.export(torch.zeros(1 << 16, dtype=torch.uint8))
+    token, _ = table.register(handle, UUID, 1 << 16, "t", owner)
+    return token
+
+
+def request(token: str, budget: int = 4, inline_roots: bool = False) -> pb.BuildTreeRequest:
+    logits = tensor_pb2.Tensor(
+        dtype=tensor_pb2.DTYPE_FLOAT32,
+        shape=[2, 3, 64],
+        ref=tensor_pb2.TensorRef(region_token=token, offset_bytes=0),
+    )
+    roots = tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[2])
+    if inline_roots:
+        roots.inline = torch.zeros(2, dtype=torch.int64).numpy().tobytes()
+    else:
+        roots.ref.CopyFrom(tensor_pb2.TensorRef(region_token=token, offset_bytes=4096))
+    return pb.BuildTreeRequest(draft_logits=logits, root_tokens=roots, budget=budget)
+
+
+def decode(memo: DecodedCalls, message: pb.BuildTreeRequest, resolver: convert.TensorResolver):
+    return memo.decode(convert.build_tree_call, message, resolver, deadline_s=12.5)
+
+
+def test_the_same_bytes_reuse_the_decoded_call_with_fresh_leases() -> None:
+    mapper = HostMapper()
+    resolver, table = make_resolver(mapper)
+    token = register(table, mapper)
+    memo = DecodedCalls()
+    first: BuildTreeCall = decode(memo, request(token), resolver)
+    second: BuildTreeCall = decode(memo, request(token), resolver)
+    assert memo.hits == 1
+    assert second.draft_logits is first.draft_logits  # the same view of the caller's memory
+    assert second.deadline_s == 12.5
+    assert second.leases is not None and second.leases is not first.leases
+    assert second.leases.tokens == (token,)
+    other: BuildTreeCall = decode(memo, request(token, budget=5), resolver)  # other bytes
+    assert memo.hits == 1
+    for call in (first, other):
+        call.leases.release()  # type: ignore[union-attr]
+    table.unregister(token, "unix")
+    assert mapper.closed == []  # the reused call's lease keeps the mapping open
+    second.leases.release()
+    assert len(mapper.closed) == 1
+
+
+def test_an_unregistered_token_is_refused_not_reused() -> None:
+    mapper = HostMapper()
+    resolver, table = make_resolver(mapper)
+    token = register(table, mapper)
+    memo = DecodedCalls()
+    decode(memo, request(token), resolver).leases.release()  # type: ignore[union-attr]
+    table.unregister(token, "unix")
+    register(table, mapper)  # another region, maybe at the same place
+    with pytest.raises(MemoryTokenNotFound):
+        decode(memo, request(token), resolver)
+    assert memo.hits == 0
+
+
+def test_another_caller_never_reuses_a_call() -> None:
+    mapper = HostMapper()
+    resolver, table = make_resolver(mapper, owner="ip:10.0.0.1", bind_to_owner=True)
+    token = register(table, mapper, owner="ip:10.0.0.1")
+    memo = DecodedCalls()
+    decode(memo, request(token), resolver)
+    other = resolver.for_owner("ip:10.0.0.2")
+    with pytest.raises(MemoryTokenNotFound):
+        decode(memo, request(token), other)
+    assert memo.hits == 0
+
+
+def test_calls_without_references_are_not_kept() -> None:
+    resolver = convert.TensorResolver(CallLimits(), None, "unix")
+    memo = DecodedCalls()
+    message = pb.BuildTreeRequest(
+        draft_logits=tensor_pb2.Tensor(
+            dtype=tensor_pb2.DTYPE_FLOAT32,
+            shape=[1, 1, 4],
+            inline=torch.zeros(4).numpy().tobytes(),
+        ),
+        root_tokens=tensor_pb2.Tensor(dtype=tensor_pb2.DTYPE_INT64, shape=[1], inline=bytes(8)),
+        budget=2,
+    )
+    for _ in range(3):
+        decode(memo, message, resolver)
+    assert memo.hits == 0
+
+
+def test_the_least_recently_used_call_is_dropped_past_capacity() -> None:
+    mapper = HostMapper()
+    resolver, table = make_resolver(mapper)
+    token = register(table, mapper)
+    memo = DecodedCalls(capacity=2)
+    for budget in (3, 4, 5, 4, 3):
+        decode(memo, request(token, budget=budget), resolver)
+    # 3, 4, 5 decoded; 4 reused; 3 was dropped when 5 came in
+    assert memo.hits == 1
