@@ -130,9 +130,12 @@ _RPC_OF_OP = {
 class EngineObserver(Protocol):
     """What the engine reports about its ops (``ddtree.service.metrics.Metrics`` fits)."""
 
-    def time_op(self, op: str, device: torch.device) -> AbstractContextManager[None]:
+    def time_op(
+        self, op: str, device: torch.device, stream: torch.cuda.Stream | None = None
+    ) -> AbstractContextManager[None]:
         """Wrap the launch of ``op`` (``build_tree``, ``accept``, ``commit_kv``,
-        ``verify_attention``) on ``device``; called on the worker thread."""
+        ``verify_attention``) on ``device``, queued on ``stream`` (``None``: the device's
+        current stream); called on the thread that runs the op."""
         ...
 
     def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
@@ -155,7 +158,9 @@ class _NullObserver:
     """Observer that records nothing."""
 
     @contextlib.contextmanager
-    def time_op(self, op: str, device: torch.device) -> Iterator[None]:
+    def time_op(
+        self, op: str, device: torch.device, stream: torch.cuda.Stream | None = None
+    ) -> Iterator[None]:
         yield
 
     def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
@@ -813,7 +818,11 @@ class Engine:
             assert whole is not None  # made by _flag_buffers
             whole[0].zero_()
         self._flags_are_zero = False  # until _check_flags reads this launch's flags back
-        timer = self._observer.time_op(op, self.device) if observe else contextlib.nullcontext()
+        timer = (
+            self._observer.time_op(op, self.device, self._stream)
+            if observe
+            else contextlib.nullcontext()
+        )
         try:
             with timer:
                 result = launch(flags)

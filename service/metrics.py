@@ -615,12 +615,14 @@ class Metrics:
     # ------------------------------------------------------------------ device time
 
     @contextlib.contextmanager
-    def time_op(self, op: str, device: torch.device) -> Iterator[None]:
+    def time_op(
+        self, op: str, device: torch.device, stream: torch.cuda.Stream | None = None
+    ) -> Iterator[None]:
         """Measure the device time of the op launched inside the ``with`` block.
 
-        On CUDA two timing events are recorded on the current stream of ``device`` around the
-        block and read once the device has passed the second one (no host sync); elsewhere the
-        host wall time of the block is observed. Nothing is recorded if the block raises.
+        On CUDA two timing events are recorded on ``stream`` around the block and read once
+        the device has passed the second one (no host sync); elsewhere the host wall time of
+        the block is observed. Nothing is recorded if the block raises.
 
         Parameters
         ----------
@@ -628,6 +630,9 @@ class Metrics:
             One of :data:`OPS` (label ``op``).
         device : torch.device
             Device the op runs on; ``str(device)`` is the ``device`` label.
+        stream : torch.cuda.Stream, optional
+            Stream the op is queued on; ``None``: the current stream of ``device`` (looking it
+            up costs more host time than the rest of this).
         """
         histogram = self.op_device_seconds.labels(op, str(device))
         if device.type != "cuda":
@@ -635,7 +640,8 @@ class Metrics:
             yield
             histogram.observe(time.perf_counter() - start_s)
             return
-        stream = torch.cuda.current_stream(device)
+        if stream is None:
+            stream = torch.cuda.current_stream(device)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(stream)

@@ -54,7 +54,9 @@ class Gate:
         return [op for op, _ in self.launches]
 
     @contextlib.contextmanager
-    def time_op(self, op: str, device: torch.device) -> Iterator[None]:
+    def time_op(
+        self, op: str, device: torch.device, stream: torch.cuda.Stream | None = None
+    ) -> Iterator[None]:
         self.launches.append((op, threading.get_ident()))
         if op == self.fail_op:
             raise self.failure
