@@ -43,8 +43,9 @@ calls only) and of this caller, written to DIR as text summaries.
 ``--serial-only LABEL`` measures just the serial calls by reference over a Unix socket (the
 floor, BuildTree batch 32, AcceptTree batch 32, and with ``out=`` where the build's client has
 it), interleaved in blocks of 25 so that drift hits each kind alike, and appends one JSON line
-tagged ``LABEL`` to ``--out``: an A/B of two builds of ddtree in one run, the build being whichever ``ddtree`` this interpreter imports (for
-example ``PYTHONPATH=<copy of an older tree>`` for A; the server subprocess inherits it).
+tagged ``LABEL`` to ``--out``: an A/B of two builds of ddtree in one run, the build being
+whichever ``ddtree`` this interpreter imports (for example ``PYTHONPATH=<copy of an older tree>``
+for A; the server subprocess inherits it).
 
 Usage: ``python bench/bench_ipc.py [--out PATH] [--quick] [--cpu] [--inline-ops on|off]
 [--profile DIR] [--transports unix,tcp] [--serial-only LABEL]``.
@@ -562,7 +563,7 @@ def _stages(batch: dict[str, Any], iters: int, idle_s: float = 0.0) -> dict[str,
                 time.sleep(idle_s)
             t0 = time.perf_counter()
             op = _build_tree_op(
-                ipc, logits, roots, BUDGET, temperature=1.0, max_budget=None, model=""
+                ipc, logits, roots, BUDGET, temperature=1.0, max_budget=None, model="", out=None
             )
             refs = ipc.refs(op.tensors)
             assert refs is not None
@@ -588,8 +589,8 @@ def _stages(batch: dict[str, Any], iters: int, idle_s: float = 0.0) -> dict[str,
             t4 = time.perf_counter()
             op.finish(pb.BuildTreeResponse.FromString(reply_wire), use_outputs)
             t5 = time.perf_counter()
-            # The same op with its results left in the engine's memory: no copy into the
-            # caller's outputs and no synchronisation after it.
+            # The same op with its results left in the engine's memory: outputs the kernels
+            # allocate, launched eagerly (a call into caller memory is replayed from a graph).
             call = convert.build_tree_call(request, resolver.for_owner(""), deadline_s=deadline_s)
             t6 = time.perf_counter()
             engine.build_tree(replace(call, out=None, result_device=None), inline=True).result()
