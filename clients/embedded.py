@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from ddtree.clients.destinations import check_acceptance_out, check_tree_out
 from ddtree.clients.errors import DeadlineExceededError, error_for
 from ddtree.clients.types import DeviceInfo, KvCommit, ServerInfo, ServerLimits
 from ddtree.kernels.types import Acceptance, Tree
@@ -150,12 +151,19 @@ class EmbeddedClient:
         temperature: float = 1.0,
         max_budget: int | None = None,
         model: str = "",
+        out: Tree | None = None,
         timeout_s: float | None = None,
     ) -> Tree:
-        """See ``ddtree.clients.Client.build_tree``."""
+        """See ``ddtree.clients.Client.build_tree``. ``out`` on the engine's device receives
+        the tree from the kernels (all or nothing); elsewhere the result is copied into it."""
         from ddtree.service.calls import BuildTreeCall
 
-        return self._run(
+        direct = None
+        if out is not None:
+            check_tree_out(out, draft_logits, budget, max_budget)
+            if out.device == self._engine.device:
+                direct = out
+        tree = self._run(
             self._engine.build_tree,
             lambda deadline_s: BuildTreeCall(
                 draft_logits=draft_logits,
@@ -164,11 +172,17 @@ class EmbeddedClient:
                 max_budget=max_budget,
                 temperature=temperature,
                 model=model,
-                result_device=_device_of(draft_logits),
+                result_device=None if direct is not None else _device_of(draft_logits),
                 deadline_s=deadline_s,
+                out=direct,
             ),
             timeout_s,
         )
+        if out is None or tree is out:
+            return tree
+        for name in _TREE_NAMES:
+            getattr(out, name).copy_(getattr(tree, name))
+        return out
 
     def accept_tree(
         self,
@@ -180,10 +194,18 @@ class EmbeddedClient:
         seed: int | None = None,
         kv_commit: KvCommit | None = None,
         model: str = "",
+        out: Acceptance | None = None,
         timeout_s: float | None = None,
     ) -> Acceptance:
-        """See ``ddtree.clients.Client.accept_tree``."""
+        """See ``ddtree.clients.Client.accept_tree``. ``out`` on the engine's device is
+        written by the engine after the verdict; elsewhere the result is copied into it."""
         from ddtree.service.calls import AcceptTreeCall, KvCommitArgs
+
+        direct = None
+        if out is not None:
+            check_acceptance_out(out, tree)
+            if tree.tokens.device == self._engine.device:
+                direct = out
 
         commit = None
         if kv_commit is not None:
@@ -202,15 +224,21 @@ class EmbeddedClient:
                 seed=seed,
                 kv_commit=commit,
                 model=model,
-                result_device=_device_of(tree.tokens),
+                result_device=None if direct is not None else _device_of(tree.tokens),
                 deadline_s=deadline_s,
+                out=direct,
             ),
             timeout_s,
         )
         compacted = result.kv_cache
         if kv_commit is not None and compacted is not None and compacted is not kv_commit.kv_cache:
             kv_commit.kv_cache.copy_(compacted)
-        return result.acceptance
+        acceptance = result.acceptance
+        if out is None or acceptance is out:
+            return acceptance
+        for name in ("nodes", "tokens", "length", "bonus"):
+            getattr(out, name).copy_(getattr(acceptance, name))
+        return out
 
     def verify_attention(
         self,
@@ -244,6 +272,9 @@ class EmbeddedClient:
             ),
             timeout_s,
         )
+
+
+_TREE_NAMES = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
 
 
 def _device_of(tensor: object) -> torch.device | None:

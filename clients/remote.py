@@ -28,14 +28,14 @@ import grpc
 import torch
 
 from ddtree.clients import _wire
+from ddtree.clients.destinations import check_acceptance_out, check_kind, check_tree_out
 from ddtree.clients.errors import (
     DDTreeClientError,
     DeadlineExceededError,
-    InvalidArgumentError,
     MemoryTokenNotFoundError,
 )
 from ddtree.clients.types import KvCommit, MemoryRegion, ServerInfo
-from ddtree.kernels.types import MAX_BUDGET, Acceptance, Tree, mask_words
+from ddtree.kernels.types import Acceptance, Tree, mask_words
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 
@@ -256,92 +256,6 @@ def _memo_key(scalars: tuple[Any, ...], tensors: list[tuple[str, torch.Tensor | 
     )
 
 
-def _invalid(field: str, problem: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        "INVALID_ARGUMENT", f"{field}: {problem}", reason="INVALID_TENSOR", field=field
-    )
-
-
-def _check_kind(prefix: str, out: object, kind: type) -> None:
-    if not isinstance(out, kind):
-        raise _invalid(prefix, f"expected a {kind.__name__}, got {type(out).__name__}")
-
-
-def _check_out(
-    prefix: str,
-    out: object,
-    kind: type,
-    expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    device: torch.device,
-    main: str,
-) -> None:
-    """Refuse destinations ``out`` (a ``kind``) unless each tensor has its ``expected`` shape
-    and dtype, lies on ``device`` (where the input ``main`` is) and is contiguous."""
-    _check_kind(prefix, out, kind)
-    for name, (shape, dtype) in expected.items():
-        field = f"{prefix}.{name}"
-        tensor = getattr(out, name)
-        if not isinstance(tensor, torch.Tensor):
-            raise _invalid(field, f"expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != dtype:
-            raise _invalid(field, f"expected dtype {dtype}, got {tensor.dtype}")
-        if tuple(tensor.shape) != shape:
-            raise _invalid(field, f"expected shape {shape}, got {tuple(tensor.shape)}")
-        if tensor.device != device:
-            raise _invalid(
-                field, f"expected a tensor on {device}, where {main} is, got one on {tensor.device}"
-            )
-        if not tensor.is_contiguous():
-            raise _invalid(field, f"expected a contiguous tensor; pass {name}.contiguous()")
-
-
-def _check_tree_out(
-    out: Tree,
-    draft_logits: torch.Tensor,
-    budget: int | torch.Tensor,
-    max_budget: int | None,
-) -> None:
-    largest = max_budget or (
-        int(budget.max()) if isinstance(budget, torch.Tensor) and budget.numel() else budget
-    )
-    if draft_logits.dim() != 3 or not isinstance(largest, int) or not 1 <= largest <= MAX_BUDGET:
-        # Bad inputs: the server names them; out cannot be checked against them.
-        _check_out("build_tree.out", out, Tree, {}, draft_logits.device, "draft_logits")
-        return
-    batch_size, draft_len, _ = draft_logits.shape
-    pair = (batch_size, 1 + largest)
-    _check_out(
-        "build_tree.out",
-        out,
-        Tree,
-        {
-            "tokens": (pair, torch.int64),
-            "parents": (pair, torch.int32),
-            "depths": (pair, torch.int32),
-            "log_probs": (pair, torch.float32),
-            "num_nodes": ((batch_size,), torch.int32),
-            "mask": ((*pair, mask_words(1 + largest)), torch.int64),
-        },
-        draft_logits.device,
-        "draft_logits",
-    )
-    if out.draft_len != draft_len:
-        raise _invalid("build_tree.out.draft_len", f"expected {draft_len}, got {out.draft_len}")
-
-
-def _check_acceptance_out(out: Acceptance, tree: Tree) -> None:
-    expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    if tree.tokens.dim() == 2:
-        path = (tree.tokens.shape[0], tree.draft_len + 1)
-        expected = {
-            "nodes": (path, torch.int32),
-            "tokens": (path, torch.int64),
-            "length": (path[:1], torch.int32),
-            "bonus": (path[:1], torch.int64),
-        }
-    _check_out("accept_tree.out", out, Acceptance, expected, tree.tokens.device, "tree.tokens")
-
-
 def _fields(prefix: str, names: Sequence[str], values: Sequence[torch.Tensor]) -> list[Any]:
     return [(f"{prefix}.{n}", v) for n, v in zip(names, values, strict=True)]
 
@@ -367,7 +281,7 @@ def _build_tree_op(
 ) -> _Op[Tree]:
     outputs = out
     if out is not None:
-        _check_kind("build_tree.out", out, Tree)
+        check_kind("build_tree.out", out, Tree)
     elif ipc is not None and draft_logits.is_cuda and draft_logits.dim() == 3:
         largest = max_budget or (int(budget.max()) if isinstance(budget, torch.Tensor) else budget)
         if 1 <= largest <= 1024:
@@ -432,7 +346,7 @@ def _build_tree_op(
         finish=finish,
         idempotent=True,
         memo_key=memo_key,
-        check=lambda: _check_tree_out(out, draft_logits, budget, max_budget),
+        check=lambda: check_tree_out(out, draft_logits, budget, max_budget),
     )
 
 
@@ -450,7 +364,7 @@ def _accept_tree_op(
 ) -> _Op[Acceptance]:
     outputs = out
     if out is not None:
-        _check_kind("accept_tree.out", out, Acceptance)
+        check_kind("accept_tree.out", out, Acceptance)
     elif ipc is not None and tree.tokens.is_cuda and tree.tokens.dim() == 2:
         path = (tree.tokens.shape[0], tree.draft_len + 1)
         device = tree.tokens.device
@@ -504,7 +418,7 @@ def _accept_tree_op(
         # A cache compacted in place must not be compacted twice by a retry.
         idempotent=kv_commit is None or ipc is None,
         memo_key=memo_key,
-        check=lambda: None if out is None else _check_acceptance_out(out, tree),
+        check=lambda: None if out is None else check_acceptance_out(out, tree),
     )
 
 

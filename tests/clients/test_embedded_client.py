@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -59,6 +60,47 @@ def test_errors_match_the_remote_mapping(
     assert raised.value.message.startswith(field)
     tree = client.build_tree(step.draft_logits, step.root_tokens, BUDGET)
     assert torch.equal(tree.tokens, step.tree.tokens)
+
+
+def _poisoned(result: object) -> object:
+    """A destination of ``result``'s shapes and dtypes, every element a marker value."""
+    fields = {
+        name: torch.full_like(value, 77)
+        for name, value in vars(result).items()
+        if isinstance(value, torch.Tensor)
+    }
+    return dataclasses.replace(result, **fields)  # type: ignore[type-var]
+
+
+def test_out_receives_the_results(client: EmbeddedClient, step: Step) -> None:
+    """``out=`` as on the remote client: the same values, ``out`` returned, calls repeated."""
+    expected_tree = client.build_tree(step.draft_logits, step.root_tokens, BUDGET)
+    expected = client.accept_tree(expected_tree, step.target_tokens)
+    tree_out, acceptance_out = _poisoned(expected_tree), _poisoned(expected)
+    for _ in range(2):
+        tree = client.build_tree(step.draft_logits, step.root_tokens, BUDGET, out=tree_out)
+        acceptance = client.accept_tree(tree, step.target_tokens, out=acceptance_out)
+        assert tree is tree_out and acceptance is acceptance_out
+        for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
+            assert torch.equal(getattr(tree, name), getattr(expected_tree, name)), name
+        for name in ("nodes", "tokens", "length", "bonus"):
+            assert torch.equal(getattr(acceptance, name), getattr(expected, name)), name
+
+
+def test_out_is_checked_and_left_untouched_on_an_error(client: EmbeddedClient, step: Step) -> None:
+    tree_out = _poisoned(client.build_tree(step.draft_logits, step.root_tokens, BUDGET))
+    bad = dataclasses.replace(tree_out, mask=tree_out.mask[:, :, :0])  # type: ignore[type-var]
+    with pytest.raises(InvalidArgumentError) as raised:
+        client.build_tree(step.draft_logits, step.root_tokens, BUDGET, out=bad)
+    assert raised.value.field == "build_tree.out.mask"
+    roots = step.root_tokens.clone()
+    roots[-1] = 10**6
+    with pytest.raises(InvalidArgumentError) as raised:
+        client.build_tree(step.draft_logits, roots, BUDGET, out=tree_out)
+    assert raised.value.reason == "INVALID_TOKEN"
+    for value in vars(tree_out).values():
+        if isinstance(value, torch.Tensor):
+            assert bool((value == 77).all())
 
 
 def test_closed_client_refuses_calls(step: Step) -> None:
