@@ -12,7 +12,10 @@ is the only one in flight.
 
 Two seams for instrumentation: an ``EngineObserver`` (implemented by ``ddtree.service.metrics``)
 is told about every op (``time_op`` wraps the launch, ``observe_*`` get the results), and
-``_run_op`` is the one place every op passes through.
+``_launch_op`` is the one place every op passes through.
+
+A build into caller memory (registered regions) is written by the kernels all or nothing and,
+when the same buffers come back, replayed from a CUDA graph (``ddtree.service.replay``).
 """
 
 from __future__ import annotations
@@ -472,6 +475,8 @@ class Engine:
                 self._stream.synchronize()
             except RuntimeError as err:
                 _log.warning("event=close_sync_failed device=%s error=%s", self.device, err)
+        if self._graphs is not None:
+            self._graphs.clear()  # their scratch memory; the stream is idle
         if self.memory is not None and self._events is not None and self._mapper is not None:
             self.memory.close()
             self._events.close()

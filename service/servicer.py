@@ -1,5 +1,7 @@
 """The thin ``grpc.aio`` servicer: decode (``convert``), one engine call, encode.
 
+A by-reference request sent again byte for byte reuses its decoded call (``call_memo``).
+
 No business logic and no device calls here. Errors are raised as ``DDTreeError`` subclasses and
 mapped to status codes by the server's interceptor.
 """
