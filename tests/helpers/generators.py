@@ -209,3 +209,33 @@ def paged_cache(
         used += count
     cache = torch.randn(num_pages, page_size, head_dim, generator=gen).to(dtype)
     return cache, table
+
+
+POISON = 7777
+"""The value ``poisoned_tree`` fills every element with."""
+
+
+def poisoned_tree(
+    batch_size: int, num_nodes_max: int, draft_len: int, *, device: str | torch.device = "cpu"
+) -> Tree:
+    """Destination tensors for a build (``out=``) with every element ``POISON``: shapes and
+    dtypes of a ``Tree`` of ``batch_size`` requests and ``num_nodes_max`` slots."""
+    pair = (batch_size, num_nodes_max)
+    words = (num_nodes_max + 63) // 64
+    return Tree(
+        tokens=torch.full(pair, POISON, dtype=torch.int64, device=device),
+        parents=torch.full(pair, POISON, dtype=torch.int32, device=device),
+        depths=torch.full(pair, POISON, dtype=torch.int32, device=device),
+        log_probs=torch.full(pair, float(POISON), device=device),
+        num_nodes=torch.full((batch_size,), POISON, dtype=torch.int32, device=device),
+        mask=torch.full((*pair, words), POISON, dtype=torch.int64, device=device),
+        draft_len=draft_len,
+    )
+
+
+def is_poisoned(tree: Tree) -> bool:
+    """Whether every element of every tensor of ``tree`` still holds ``POISON``."""
+    return all(
+        bool((getattr(tree, name) == POISON).all())
+        for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
+    )

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers.assertions import assert_equal, assert_same_tree
-from helpers.generators import draft_logits, poison_rows, random_budgets
+from helpers.generators import draft_logits, is_poisoned, poison_rows, poisoned_tree, random_budgets
 from helpers.invariants import assert_tree_valid
 from helpers.oracles import brute_force_tree, heap_tree, tree_from_nodes
 from hypothesis import given, settings
@@ -240,25 +240,11 @@ def test_bad_root_token_without_error_flags_raises_naming_the_request() -> None:
         reference.build_tree(logits, torch.tensor([0, 1, 9]), 4)
 
 
-def _poisoned_out(batch_size: int, num_nodes_max: int, draft_len: int) -> Tree:
-    words = (num_nodes_max + 63) // 64
-    pair = (batch_size, num_nodes_max)
-    return Tree(
-        tokens=torch.full(pair, 7777, dtype=torch.int64),
-        parents=torch.full(pair, 7777, dtype=torch.int32),
-        depths=torch.full(pair, 7777, dtype=torch.int32),
-        log_probs=torch.full(pair, 7777.0),
-        num_nodes=torch.full((batch_size,), 7777, dtype=torch.int32),
-        mask=torch.full((*pair, words), 7777, dtype=torch.int64),
-        draft_len=draft_len,
-    )
-
-
 def test_out_receives_the_tree_and_is_returned() -> None:
     logits = draft_logits(3, 4, 200, seed=2)
     roots = _roots(3, 200)
     expected = reference.build_tree(logits, roots, 20, max_budget=30)
-    out = _poisoned_out(3, 31, 4)
+    out = poisoned_tree(3, 31, 4)
     flags = torch.zeros(3, dtype=torch.int32)
     tree = reference.build_tree(logits, roots, 20, max_budget=30, error_flags=flags, out=out)
     assert tree is out
@@ -270,27 +256,26 @@ def test_out_is_untouched_when_any_request_is_flagged(entry_flag: bool) -> None:
     logits = draft_logits(3, 2, 9, seed=1)
     roots = torch.tensor([1, 2, 3 if entry_flag else 9])
     flags = torch.tensor([0, int(ErrorFlag.LENGTH) if entry_flag else 0, 0], dtype=torch.int32)
-    out = _poisoned_out(3, 5, 2)
+    out = poisoned_tree(3, 5, 2)
     reference.build_tree(logits, roots, 4, error_flags=flags, out=out)
-    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-        assert (getattr(out, name) == 7777).all(), name
+    assert is_poisoned(out)
     assert flags.tolist() == (
         [0, int(ErrorFlag.LENGTH), 0] if entry_flag else [0, 0, int(ErrorFlag.TOKEN)]
     )
 
 
 def test_out_with_a_bad_root_and_no_error_flags_raises_before_writing() -> None:
-    out = _poisoned_out(2, 5, 2)
+    out = poisoned_tree(2, 5, 2)
     with pytest.raises(ValueError, match="root_tokens"):
         reference.build_tree(draft_logits(2, 2, 9, seed=1), torch.tensor([0, 9]), 4, out=out)
-    assert (out.tokens == 7777).all()
+    assert is_poisoned(out)
 
 
 @pytest.mark.parametrize(
     ("change", "match"),
     [
         (lambda o: replace(o, draft_len=3), r"out\.draft_len: expected 2, got 3"),
-        (lambda o: _poisoned_out(2, 4, 2), r"out\.tokens: expected shape"),
+        (lambda o: poisoned_tree(2, 4, 2), r"out\.tokens: expected shape"),
         (
             lambda o: replace(o, log_probs=o.log_probs.t().contiguous().t()),
             r"out\.log_probs: expected a contiguous tensor",
@@ -304,13 +289,13 @@ def test_out_with_a_bad_root_and_no_error_flags_raises_before_writing() -> None:
     ids=["draft-len", "shape", "contiguity", "overlap", "type"],
 )
 def test_bad_out_is_refused_naming_the_field(change: object, match: str) -> None:
-    out = change(_poisoned_out(2, 5, 2))  # type: ignore[operator]
+    out = change(poisoned_tree(2, 5, 2))  # type: ignore[operator]
     with pytest.raises((ValueError, TypeError), match=match):
         reference.build_tree(draft_logits(2, 2, 9, seed=1), _roots(2, 9), 4, out=out)
 
 
 def test_out_overlapping_an_input_is_refused() -> None:
-    out = _poisoned_out(2, 5, 2)
+    out = poisoned_tree(2, 5, 2)
     out.tokens[0, :2] = torch.tensor([1, 2])
     roots = out.tokens.flatten()[:2]  # the roots inside out.tokens
     with pytest.raises(ValueError, match=r"overlaps"):

@@ -8,9 +8,12 @@ import pytest
 import torch
 from helpers.assertions import assert_close, assert_equal, assert_same_acceptance, assert_same_tree
 from helpers.generators import (
+    POISON,
     draft_logits,
+    is_poisoned,
     paged_cache,
     poison_rows,
+    poisoned_tree,
     random_budgets,
     random_tree,
     target_tokens_for,
@@ -182,26 +185,6 @@ def test_build_tree_bad_root_token_is_flagged_without_sync() -> None:
         tree_cuda.build_tree(logits, roots, 9)
 
 
-def _poisoned_out(batch_size: int, num_nodes_max: int, draft_len: int) -> Tree:
-    pair = (batch_size, num_nodes_max)
-    return Tree(
-        tokens=torch.full(pair, 7777, dtype=torch.int64, device="cuda"),
-        parents=torch.full(pair, 7777, dtype=torch.int32, device="cuda"),
-        depths=torch.full(pair, 7777, dtype=torch.int32, device="cuda"),
-        log_probs=torch.full(pair, 7777.0, device="cuda"),
-        num_nodes=torch.full((batch_size,), 7777, dtype=torch.int32, device="cuda"),
-        mask=torch.full(
-            (*pair, (num_nodes_max + 63) // 64), 7777, dtype=torch.int64, device="cuda"
-        ),
-        draft_len=draft_len,
-    )
-
-
-def _assert_untouched(out: Tree) -> None:
-    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-        assert bool((getattr(out, name) == 7777).all()), f"out.{name} was written"
-
-
 @pytest.mark.parametrize(
     ("batch_size", "draft_len", "vocab_size", "budget"),
     [(1, 1, 8, 1), (3, 5, 1000, 7), (32, 16, 163840, 64), (2, 8, 163840, 1024), (64, 4, 4096, 65)],
@@ -215,7 +198,7 @@ def test_build_tree_out_matches_reference(
     )
     roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
     expected = reference.build_tree(logits, roots, budget)
-    out = _poisoned_out(batch_size, budget + 1, draft_len)
+    out = poisoned_tree(batch_size, budget + 1, draft_len, device="cuda")
     flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
     actual = tree_cuda.build_tree(logits, roots, budget, error_flags=flags, out=out)
     assert actual is out
@@ -239,10 +222,10 @@ def test_build_tree_out_is_untouched_when_any_request_is_flagged(
         roots[-1] = 500
     want_flags = flags.clone()
     reference.build_tree(logits, roots, 9, error_flags=want_flags)
-    out = _poisoned_out(batch_size, 10, 3)
+    out = poisoned_tree(batch_size, 10, 3, device="cuda")
     tree_cuda.build_tree(logits, roots, 9, error_flags=flags, out=out)
     assert_equal(flags, want_flags, "error_flags")
-    _assert_untouched(out)
+    assert is_poisoned(out)
     flags.zero_()
     roots[-1] = 0
     tree_cuda.build_tree(logits, roots, 9, error_flags=flags, out=out)  # clean: written
@@ -257,7 +240,7 @@ def test_build_tree_out_is_captured_in_a_cuda_graph() -> None:
     )
     roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
     flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
-    out = _poisoned_out(batch_size, budget + 1, draft_len)
+    out = poisoned_tree(batch_size, budget + 1, draft_len, device="cuda")
     tree_cuda.build_tree(logits, roots, budget, error_flags=flags, out=out)  # warm up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -270,16 +253,16 @@ def test_build_tree_out_is_captured_in_a_cuda_graph() -> None:
         logits.copy_(
             draft_logits(batch_size, draft_len, vocab_size, seed=seed, dtype=torch.bfloat16)
         )
-        out.tokens.fill_(7777)
+        out.tokens.fill_(POISON)
         graph.replay()
         torch.cuda.synchronize()
         _assert_same_tree(out, reference.build_tree(logits, roots, budget), exact_order=True)
     roots[3] = -1
     for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-        getattr(out, name).fill_(7777)
+        getattr(out, name).fill_(POISON)
     graph.replay()
     torch.cuda.synchronize()
-    _assert_untouched(out)
+    assert is_poisoned(out)
     assert flags.tolist() == [0, 0, 0, int(ErrorFlag.TOKEN), 0, 0, 0, 0]
 
 

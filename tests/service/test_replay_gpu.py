@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.generators import draft_logits
+from helpers.generators import POISON, draft_logits, is_poisoned, poisoned_tree
 
 from ddtree import kernels
-from ddtree.kernels.types import Tree, mask_words
+from ddtree.kernels.types import Tree
 from ddtree.service.calls import BuildTreeCall
 from ddtree.service.engine import Engine
 from ddtree.service.errors import InvalidToken
@@ -33,19 +33,6 @@ def engine() -> Iterator[Engine]:
         yield running
 
 
-def _poisoned_out(budget: int) -> Tree:
-    pair = (BATCH, budget + 1)
-    return Tree(
-        tokens=torch.full(pair, 7777, dtype=torch.int64, device="cuda"),
-        parents=torch.full(pair, 7777, dtype=torch.int32, device="cuda"),
-        depths=torch.full(pair, 7777, dtype=torch.int32, device="cuda"),
-        log_probs=torch.full(pair, 7777.0, device="cuda"),
-        num_nodes=torch.full((BATCH,), 7777, dtype=torch.int32, device="cuda"),
-        mask=torch.full((*pair, mask_words(budget + 1)), 7777, dtype=torch.int64, device="cuda"),
-        draft_len=DRAFT_LEN,
-    )
-
-
 def _assert_same(actual: Tree, expected: Tree) -> None:
     for name in ("tokens", "parents", "depths", "num_nodes", "mask"):
         assert torch.equal(getattr(actual, name), getattr(expected, name)), name
@@ -61,7 +48,7 @@ def _graphs(engine: Engine) -> LaunchGraphs[Tree]:
 def test_repeated_builds_are_replayed_with_fresh_inputs(engine: Engine) -> None:
     logits = torch.empty(BATCH, DRAFT_LEN, VOCAB, dtype=torch.bfloat16, device="cuda")
     roots = torch.empty(BATCH, dtype=torch.int64, device="cuda")
-    out = _poisoned_out(64)
+    out = poisoned_tree(BATCH, 65, DRAFT_LEN, device="cuda")
     call = BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=64, out=out)
     for step in range(5):  # eager, captured, then replayed
         logits.copy_(draft_logits(BATCH, DRAFT_LEN, VOCAB, seed=step, dtype=torch.bfloat16))
@@ -69,7 +56,7 @@ def test_repeated_builds_are_replayed_with_fresh_inputs(engine: Engine) -> None:
             torch.randint(0, VOCAB, (BATCH,), generator=torch.Generator().manual_seed(step))
         )
         for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-            getattr(out, name).fill_(7777)
+            getattr(out, name).fill_(POISON)
         tree = engine.build_tree(call, inline=True).result(timeout=60)
         assert tree is out
         _assert_same(out, kernels.build_tree(logits, roots, 64, backend="reference"))
@@ -80,7 +67,7 @@ def test_repeated_builds_are_replayed_with_fresh_inputs(engine: Engine) -> None:
 def test_a_bad_root_in_a_replay_leaves_caller_memory_untouched(engine: Engine) -> None:
     logits = draft_logits(BATCH, DRAFT_LEN, VOCAB, seed=3, dtype=torch.bfloat16, device="cuda")
     roots = torch.randint(0, VOCAB, (BATCH,), device="cuda")
-    out = _poisoned_out(32)
+    out = poisoned_tree(BATCH, 33, DRAFT_LEN, device="cuda")
     call = BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=32, out=out)
     for _ in range(3):
         engine.build_tree(call).result(timeout=60)
@@ -88,11 +75,11 @@ def test_a_bad_root_in_a_replay_leaves_caller_memory_untouched(engine: Engine) -
     expected = kernels.build_tree(logits, roots, 32, backend="reference")
     roots[5] = VOCAB
     for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-        getattr(out, name).fill_(7777)
+        getattr(out, name).fill_(POISON)
     with pytest.raises(InvalidToken, match=r"build_tree\.root_tokens\[5\]"):
         engine.build_tree(call).result(timeout=60)
     assert _graphs(engine).replays == 3
-    assert bool((out.tokens == 7777).all()) and bool((out.num_nodes == 7777).all())
+    assert is_poisoned(out)
     roots[5] = 0
     expected = kernels.build_tree(logits, roots, 32, backend="reference")
     engine.build_tree(call).result(timeout=60)  # the next call is clean again
@@ -102,7 +89,7 @@ def test_a_bad_root_in_a_replay_leaves_caller_memory_untouched(engine: Engine) -
 def test_other_buffers_or_arguments_are_not_replayed(engine: Engine) -> None:
     logits = draft_logits(BATCH, DRAFT_LEN, VOCAB, seed=4, dtype=torch.bfloat16, device="cuda")
     roots = torch.randint(0, VOCAB, (BATCH,), device="cuda")
-    out = _poisoned_out(16)
+    out = poisoned_tree(BATCH, 17, DRAFT_LEN, device="cuda")
     base = BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=16, out=out)
     for _ in range(2):
         engine.build_tree(base).result(timeout=60)
