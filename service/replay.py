@@ -19,15 +19,31 @@ import collections
 import contextlib
 import logging
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
-__all__ = ["LaunchGraphs"]
+__all__ = ["Graph", "LaunchGraphs"]
 
 _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+class Graph(Protocol):
+    """What ``LaunchGraphs`` uses of ``torch.cuda.CUDAGraph``."""
+
+    def capture_begin(self, *, capture_error_mode: str) -> None:
+        """Start capturing the current stream's work."""
+        ...
+
+    def capture_end(self) -> None:
+        """End the capture."""
+        ...
+
+    def replay(self) -> None:
+        """Launch the captured work again on the current stream."""
+        ...
 
 
 class LaunchGraphs(Generic[_T]):
@@ -35,7 +51,8 @@ class LaunchGraphs(Generic[_T]):
 
     A key seen for the first time runs eagerly; seen again, its launch is captured into a CUDA
     graph on the current stream (which must not be the default stream; thread-local capture
-    mode, so other threads' CUDA calls are unaffected) and replayed from then on.
+    mode, so other threads' CUDA calls are unaffected) and replayed from then on. A launch the
+    driver refuses to capture runs eagerly, then and every later time (a warning is logged).
 
     Not thread-safe: the engine calls it under its device lock, and synchronises its stream
     after every op, so no replay is running when a capture evicts the oldest graph (whose
@@ -45,14 +62,20 @@ class LaunchGraphs(Generic[_T]):
     ----------
     capacity : int
         Graphs kept; each holds its launch's scratch memory.
+    graph_factory : callable, optional
+        Makes an empty graph; ``torch.cuda.CUDAGraph`` by default (tests pass a fake).
     """
 
-    def __init__(self, capacity: int = 8) -> None:
+    def __init__(
+        self, capacity: int = 8, *, graph_factory: Callable[[], Graph] = torch.cuda.CUDAGraph
+    ) -> None:
         self._capacity = capacity
-        self._graphs: collections.OrderedDict[Hashable, tuple[torch.cuda.CUDAGraph, _T]] = (
+        self._new_graph = graph_factory
+        self._graphs: collections.OrderedDict[Hashable, tuple[Graph, _T]] = (
             collections.OrderedDict()
         )
-        self._seen: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[Hashable, bool] = collections.OrderedDict()
+        """Keys seen without a graph: ``True`` for those whose capture failed (eager for good)."""
         self.replays = 0
         """Launches replayed from a graph (for tests and benchmarks)."""
 
@@ -70,6 +93,7 @@ class LaunchGraphs(Generic[_T]):
         launch : callable
             Queues the kernels on the current stream without synchronising; returns the
             result object (whose tensors must be the key's or allocated inside the launch).
+            A ``ValueError`` it raises (bad arguments) propagates, as it would eagerly.
 
         Returns
         -------
@@ -81,22 +105,28 @@ class LaunchGraphs(Generic[_T]):
             entry[0].replay()
             self.replays += 1
             return entry[1]
-        if key not in self._seen:
-            self._seen[key] = None
+        refused = self._seen.get(key)
+        if refused is None or refused:  # first sighting, or not capturable
+            self._seen[key] = bool(refused)
+            self._seen.move_to_end(key)
             if len(self._seen) > 4 * self._capacity:
                 self._seen.popitem(last=False)
             return launch()
-        graph = torch.cuda.CUDAGraph()
+        graph = self._new_graph()
         graph.capture_begin(capture_error_mode="thread_local")
         try:
             result = launch()
-        except BaseException:
-            # A launch that raises (bad arguments) raises eagerly too; end the capture, keep
-            # the launch's own error.
-            with contextlib.suppress(RuntimeError):
-                graph.capture_end()
+        except ValueError:
+            _end_quietly(graph)
             raise
-        graph.capture_end()
+        except RuntimeError as err:
+            _end_quietly(graph)
+            return self._refuse(key, err, launch)
+        try:
+            graph.capture_end()
+        except RuntimeError as err:
+            return self._refuse(key, err, launch)
+        del self._seen[key]
         self._graphs[key] = (graph, result)
         if len(self._graphs) > self._capacity:
             self._graphs.popitem(last=False)
@@ -105,7 +135,19 @@ class LaunchGraphs(Generic[_T]):
         self.replays += 1
         return result
 
+    def _refuse(self, key: Hashable, err: RuntimeError, launch: Callable[[], _T]) -> _T:
+        """The capture of ``key`` failed: run it eagerly, now and from now on."""
+        _log.warning("event=launch_capture_failed error=%s", str(err)[:200])
+        self._seen[key] = True
+        return launch()
+
     def clear(self) -> None:
         """Drop every graph and its scratch memory."""
         self._graphs.clear()
         self._seen.clear()
+
+
+def _end_quietly(graph: Graph) -> None:
+    # The launch failed during the capture: end it, keeping the launch's own error.
+    with contextlib.suppress(RuntimeError):
+        graph.capture_end()
