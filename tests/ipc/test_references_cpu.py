@@ -170,6 +170,47 @@ def test_build_tree_writes_the_tree_into_caller_memory(
     assert response.tree.draft_len == expected.draft_len
 
 
+def test_a_repeated_request_reads_the_inputs_anew_each_time(
+    stub: pb_grpc.TreeSpeculationServiceStub, mapper: HostMapper, client: Client
+) -> None:
+    """The same request bytes every step, as a caller with static buffers sends them (the
+    server reuses its decoded call): each answer is computed from the memory's contents at that
+    call, and once the region is unregistered the same bytes are refused."""
+    arena = Arena(stub, mapper)
+    first = make_step(seed=5)
+    logits = arena.put(first.draft_logits.to(torch.bfloat16))
+    roots = arena.put(first.root_tokens)
+    batch, nodes = first.tree.tokens.shape
+    outputs = {
+        "tokens": arena.alloc((batch, nodes), torch.int64),
+        "parents": arena.alloc((batch, nodes), torch.int32),
+        "depths": arena.alloc((batch, nodes), torch.int32),
+        "log_probs": arena.alloc((batch, nodes), torch.float32),
+        "num_nodes": arena.alloc((batch,), torch.int32),
+        "mask": arena.alloc((batch, nodes, first.tree.mask.shape[2]), torch.int64),
+    }
+    request = pb.BuildTreeRequest(
+        draft_logits=arena.tensor(logits),
+        root_tokens=arena.tensor(roots),
+        budget=BUDGET,
+        outputs=tree_pb2.TreeOutputRefs(
+            **{name: arena.ref(view) for name, view in outputs.items()}
+        ),
+    )
+    for seed in (5, 6, 7):
+        step = make_step(seed=seed)
+        logits.copy_(step.draft_logits.to(torch.bfloat16))
+        roots.copy_(step.root_tokens)
+        stub.BuildTree(request, timeout=30)
+        expected = client.build_tree(step.draft_logits.to(torch.bfloat16), step.root_tokens, BUDGET)
+        for name in TREE_NAMES:
+            assert torch.equal(outputs[name], getattr(expected, name)), (seed, name)
+    stub.UnregisterMemory(pb.UnregisterMemoryRequest(region_token=arena.token), timeout=10)
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.BuildTree(request, timeout=30)
+    assert reason_of(raised.value)[:2] == ("NOT_FOUND", "MEMORY_TOKEN_NOT_FOUND")
+
+
 def test_accept_tree_compacts_the_kv_cache_in_place(
     stub: pb_grpc.TreeSpeculationServiceStub, mapper: HostMapper, client: Client, step: Step
 ) -> None:
