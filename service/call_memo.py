@@ -1,12 +1,11 @@
 """Decoded calls by request bytes: a caller that sends the same request again skips decoding it.
 
 An inference server with static buffers sends the same by-reference request, byte for byte,
-step after step (the same region tokens, offsets, shapes and scalars). Decoding it again costs
-more host time than anything else the server does for the call but the kernels (parsing every
-reference, bounds and alignment checks, validation: about 0.1 ms on the H200 host at batch 32).
-The memo keeps the last few decoded calls under ``(caller identity, request type, request
-bytes)``; a hit leases the call's regions again and reuses the decoded call with the new
-deadline.
+step after step (the same region tokens, offsets, shapes and scalars). Decoding it again
+(parsing every reference, leasing its regions, bounds and alignment checks) cost 73-113 us per
+call on the H200 host at batch 32. The memo keeps the last few decoded calls under
+``(caller identity, request type, request bytes)``; a hit leases the call's regions again and
+reuses the decoded call with the new deadline.
 
 Why a hit is the same call: the request bytes determine everything decoding computes from them
 (the views are pure functions of token, offset, dtype and shape; a token names one region, whose
