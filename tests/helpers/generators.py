@@ -233,6 +233,12 @@ def poisoned_tree(
     )
 
 
+def poison(tree: Tree) -> None:
+    """Fill every tensor of ``tree`` with ``POISON`` again, in place."""
+    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
+        getattr(tree, name).fill_(POISON)
+
+
 def is_poisoned(tree: Tree) -> bool:
     """Whether every element of every tensor of ``tree`` still holds ``POISON``."""
     return all(

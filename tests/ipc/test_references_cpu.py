@@ -114,6 +114,33 @@ def tree_message(arena: Arena, tree: object) -> tree_pb2.Tree:
     )
 
 
+def build_tree_in(
+    arena: Arena, step: Step
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], pb.BuildTreeRequest]:
+    """``step``'s logits (bf16) and root tokens put into ``arena``, destinations for its tree
+    allocated there, and the BuildTree request naming all of them by reference."""
+    logits = arena.put(step.draft_logits.to(torch.bfloat16))
+    roots = arena.put(step.root_tokens)
+    batch, nodes = step.tree.tokens.shape
+    outputs = {
+        "tokens": arena.alloc((batch, nodes), torch.int64),
+        "parents": arena.alloc((batch, nodes), torch.int32),
+        "depths": arena.alloc((batch, nodes), torch.int32),
+        "log_probs": arena.alloc((batch, nodes), torch.float32),
+        "num_nodes": arena.alloc((batch,), torch.int32),
+        "mask": arena.alloc((batch, nodes, step.tree.mask.shape[2]), torch.int64),
+    }
+    request = pb.BuildTreeRequest(
+        draft_logits=arena.tensor(logits),
+        root_tokens=arena.tensor(roots),
+        budget=BUDGET,
+        outputs=tree_pb2.TreeOutputRefs(
+            **{name: arena.ref(view) for name, view in outputs.items()}
+        ),
+    )
+    return logits, roots, outputs, request
+
+
 def reason_of(error: grpc.RpcError) -> tuple[str, str, str]:
     """``(code, ErrorInfo.reason, BadRequest field)`` of a failed call."""
     reason = field = ""
@@ -140,25 +167,7 @@ def test_build_tree_writes_the_tree_into_caller_memory(
     stub: pb_grpc.TreeSpeculationServiceStub, mapper: HostMapper, client: Client, step: Step
 ) -> None:
     arena = Arena(stub, mapper)
-    logits = arena.put(step.draft_logits.to(torch.bfloat16))
-    roots = arena.put(step.root_tokens)
-    batch, nodes = step.tree.tokens.shape
-    outputs = {
-        "tokens": arena.alloc((batch, nodes), torch.int64),
-        "parents": arena.alloc((batch, nodes), torch.int32),
-        "depths": arena.alloc((batch, nodes), torch.int32),
-        "log_probs": arena.alloc((batch, nodes), torch.float32),
-        "num_nodes": arena.alloc((batch,), torch.int32),
-        "mask": arena.alloc((batch, nodes, step.tree.mask.shape[2]), torch.int64),
-    }
-    request = pb.BuildTreeRequest(
-        draft_logits=arena.tensor(logits),
-        root_tokens=arena.tensor(roots),
-        budget=BUDGET,
-        outputs=tree_pb2.TreeOutputRefs(
-            **{name: arena.ref(view) for name, view in outputs.items()}
-        ),
-    )
+    _, _, outputs, request = build_tree_in(arena, step)
     response = stub.BuildTree(request, timeout=30)
     expected = client.build_tree(step.draft_logits.to(torch.bfloat16), step.root_tokens, BUDGET)
     for name in TREE_NAMES:
@@ -177,26 +186,7 @@ def test_a_repeated_request_reads_the_inputs_anew_each_time(
     server reuses its decoded call): each answer is computed from the memory's contents at that
     call, and once the region is unregistered the same bytes are refused."""
     arena = Arena(stub, mapper)
-    first = make_step(seed=5)
-    logits = arena.put(first.draft_logits.to(torch.bfloat16))
-    roots = arena.put(first.root_tokens)
-    batch, nodes = first.tree.tokens.shape
-    outputs = {
-        "tokens": arena.alloc((batch, nodes), torch.int64),
-        "parents": arena.alloc((batch, nodes), torch.int32),
-        "depths": arena.alloc((batch, nodes), torch.int32),
-        "log_probs": arena.alloc((batch, nodes), torch.float32),
-        "num_nodes": arena.alloc((batch,), torch.int32),
-        "mask": arena.alloc((batch, nodes, first.tree.mask.shape[2]), torch.int64),
-    }
-    request = pb.BuildTreeRequest(
-        draft_logits=arena.tensor(logits),
-        root_tokens=arena.tensor(roots),
-        budget=BUDGET,
-        outputs=tree_pb2.TreeOutputRefs(
-            **{name: arena.ref(view) for name, view in outputs.items()}
-        ),
-    )
+    logits, roots, outputs, request = build_tree_in(arena, make_step(seed=5))
     for seed in (5, 6, 7):
         step = make_step(seed=seed)
         logits.copy_(step.draft_logits.to(torch.bfloat16))

@@ -12,6 +12,7 @@ from helpers.generators import (
     draft_logits,
     is_poisoned,
     paged_cache,
+    poison,
     poison_rows,
     poisoned_tree,
     random_budgets,
@@ -258,8 +259,7 @@ def test_build_tree_out_is_captured_in_a_cuda_graph() -> None:
         torch.cuda.synchronize()
         _assert_same_tree(out, reference.build_tree(logits, roots, budget), exact_order=True)
     roots[3] = -1
-    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-        getattr(out, name).fill_(POISON)
+    poison(out)
     graph.replay()
     torch.cuda.synchronize()
     assert is_poisoned(out)

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-LOAD = Path(__file__).resolve().parents[2] / "bench" / "load.py"
-
-
-def _load_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ddtree_bench_load", LOAD)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers.scripts import load_bench
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_short_load_holds_without_errors(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    load = _load_module()
+    load = load_bench("load")
     argv = ["--clients", "4", "--duration-s", "4", "--warm-up-s", "1", "--device", "cpu"]
     assert load.main([*argv, "--out", str(out)]) == 0
     report = json.loads(out.read_text())

@@ -6,30 +6,18 @@ segment must come back, fit inside the call, and the caller's wrapper must be re
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
+
+from helpers.scripts import load_bench
 
 from ddtree.clients import remote
-
-TIMELINE = Path(__file__).resolve().parents[2] / "bench" / "bench_ipc_timeline.py"
-
-
-def _load_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ddtree_bench_ipc_timeline", TIMELINE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_segment_of_every_kind_is_measured(tmp_path: Path) -> None:
     call = remote.Client._call
     out = tmp_path / "timeline.json"
-    _load_module().main(["--cpu", "--calls", "5", "--out", str(out)])
+    load_bench("bench_ipc_timeline").main(["--cpu", "--calls", "5", "--out", str(out)])
     assert remote.Client._call is call
     kinds = json.loads(out.read_text())["kinds"]
     assert set(kinds) == {

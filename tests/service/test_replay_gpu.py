@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.generators import POISON, draft_logits, is_poisoned, poisoned_tree
+from helpers.generators import draft_logits, is_poisoned, poison, poisoned_tree
 
 from ddtree import kernels
 from ddtree.kernels.types import Tree
@@ -55,8 +55,7 @@ def test_repeated_builds_are_replayed_with_fresh_inputs(engine: Engine) -> None:
         roots.copy_(
             torch.randint(0, VOCAB, (BATCH,), generator=torch.Generator().manual_seed(step))
         )
-        for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-            getattr(out, name).fill_(POISON)
+        poison(out)
         tree = engine.build_tree(call, inline=True).result(timeout=60)
         assert tree is out
         _assert_same(out, kernels.build_tree(logits, roots, 64, backend="reference"))
@@ -74,8 +73,7 @@ def test_a_bad_root_in_a_replay_leaves_caller_memory_untouched(engine: Engine) -
     assert _graphs(engine).replays == 2
     expected = kernels.build_tree(logits, roots, 32, backend="reference")
     roots[5] = VOCAB
-    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-        getattr(out, name).fill_(POISON)
+    poison(out)
     with pytest.raises(InvalidToken, match=r"build_tree\.root_tokens\[5\]"):
         engine.build_tree(call).result(timeout=60)
     assert _graphs(engine).replays == 3
