@@ -17,7 +17,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from ddtree.clients.errors import DDTreeClientError, InvalidArgumentError, error_for
 from ddtree.clients.types import DeviceInfo, KvCommit, ServerInfo, ServerLimits
-from ddtree.kernels.types import Acceptance, Tree
+from ddtree.kernels.types import ACCEPTANCE_FIELDS, TREE_FIELDS, Acceptance, Tree
 from ddtree.v1 import tensor_pb2, tree_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 
@@ -117,10 +117,6 @@ def _decode_into(messages: Any, names: tuple[str, ...], out: Any, prefix: str) -
             dest.copy_(host.view(dest.shape))
 
 
-_TREE_NAMES = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
-_ACCEPTANCE_NAMES = ("nodes", "tokens", "length", "bonus")
-
-
 def encode_tree(tree: Tree, refs: TensorRefs | None = None) -> tree_pb2.Tree:
     """Encode a ``Tree`` (by reference where ``refs`` has one, else inline)."""
     message = tree_pb2.Tree()
@@ -129,7 +125,7 @@ def encode_tree(tree: Tree, refs: TensorRefs | None = None) -> tree_pb2.Tree:
 
 
 def _fill_tree(message: tree_pb2.Tree, tree: Tree, refs: TensorRefs | None) -> None:
-    for name in _TREE_NAMES:
+    for name in TREE_FIELDS:
         _fill_tensor(getattr(message, name), getattr(tree, name), f"tree.{name}", refs)
     message.draft_len = tree.draft_len
 
@@ -151,7 +147,7 @@ def _fill_outputs(message: Any, names: tuple[str, ...], values: Any, refs: Tenso
 def tree_output_refs(tree: Tree, refs: TensorRefs) -> tree_pb2.TreeOutputRefs:
     """Destinations for BuildTree: the six tensors of ``tree``, each registered."""
     message = tree_pb2.TreeOutputRefs()
-    _fill_outputs(message, _TREE_NAMES, tree, refs)
+    _fill_outputs(message, TREE_FIELDS, tree, refs)
     return message
 
 
@@ -160,7 +156,7 @@ def acceptance_output_refs(
 ) -> tree_pb2.AcceptanceOutputRefs:
     """Destinations for AcceptTree: the four tensors of ``acceptance``, each registered."""
     message = tree_pb2.AcceptanceOutputRefs()
-    _fill_outputs(message, _ACCEPTANCE_NAMES, acceptance, refs)
+    _fill_outputs(message, ACCEPTANCE_FIELDS, acceptance, refs)
     return message
 
 
@@ -190,7 +186,7 @@ def decode_tree_into(message: tree_pb2.Tree, out: Tree) -> Tree:
             "DATA_LOSS",
             f"tree.draft_len: the response's {message.draft_len} is not out's {out.draft_len}",
         )
-    _decode_into(message, _TREE_NAMES, out, "tree")
+    _decode_into(message, TREE_FIELDS, out, "tree")
     return out
 
 
@@ -234,7 +230,7 @@ def build_tree_request(
     else:
         request.budget = int(budget)
     if outputs is not None and refs is not None:
-        _fill_outputs(request.outputs, _TREE_NAMES, outputs, refs)
+        _fill_outputs(request.outputs, TREE_FIELDS, outputs, refs)
     return request
 
 
@@ -287,7 +283,7 @@ def accept_tree_request(
         _fill_tensor(commit.block_table, kv_commit.block_table, "kv_commit.block_table", refs)
         _fill_tensor(commit.prefix_lens, kv_commit.prefix_lens, "kv_commit.prefix_lens", refs)
     if outputs is not None and refs is not None:
-        _fill_outputs(request.outputs, _ACCEPTANCE_NAMES, outputs, refs)
+        _fill_outputs(request.outputs, ACCEPTANCE_FIELDS, outputs, refs)
     return request
 
 
@@ -311,7 +307,7 @@ def finish_accept_tree(
     if outputs is not None:
         return outputs
     if into is not None:
-        _decode_into(response.acceptance, _ACCEPTANCE_NAMES, into, "acceptance")
+        _decode_into(response.acceptance, ACCEPTANCE_FIELDS, into, "acceptance")
         return into
     return decode_acceptance(response.acceptance, tree.device)
 

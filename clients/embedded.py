@@ -18,7 +18,7 @@ import torch
 from ddtree.clients.destinations import check_acceptance_out, check_tree_out
 from ddtree.clients.errors import DeadlineExceededError, error_for
 from ddtree.clients.types import DeviceInfo, KvCommit, ServerInfo, ServerLimits
-from ddtree.kernels.types import Acceptance, Tree
+from ddtree.kernels.types import ACCEPTANCE_FIELDS, TREE_FIELDS, Acceptance, Tree
 
 if TYPE_CHECKING:
     from ddtree.service.engine import Engine
@@ -180,7 +180,7 @@ class EmbeddedClient:
         )
         if out is None or tree is out:
             return tree
-        for name in _TREE_NAMES:
+        for name in TREE_FIELDS:
             getattr(out, name).copy_(getattr(tree, name))
         return out
 
@@ -236,7 +236,7 @@ class EmbeddedClient:
         acceptance = result.acceptance
         if out is None or acceptance is out:
             return acceptance
-        for name in ("nodes", "tokens", "length", "bonus"):
+        for name in ACCEPTANCE_FIELDS:
             getattr(out, name).copy_(getattr(acceptance, name))
         return out
 
@@ -272,9 +272,6 @@ class EmbeddedClient:
             ),
             timeout_s,
         )
-
-
-_TREE_NAMES = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
 
 
 def _device_of(tensor: object) -> torch.device | None:

@@ -35,7 +35,7 @@ from ddtree.clients.errors import (
     MemoryTokenNotFoundError,
 )
 from ddtree.clients.types import KvCommit, MemoryRegion, ServerInfo
-from ddtree.kernels.types import Acceptance, Tree, mask_words
+from ddtree.kernels.types import ACCEPTANCE_FIELDS, TREE_FIELDS, Acceptance, Tree, mask_words
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
 
@@ -260,12 +260,8 @@ def _fields(prefix: str, names: Sequence[str], values: Sequence[torch.Tensor]) -
     return [(f"{prefix}.{n}", v) for n, v in zip(names, values, strict=True)]
 
 
-_TREE_NAMES = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
-_ACCEPTANCE_NAMES = ("nodes", "tokens", "length", "bonus")
-
-
 def _tree_tensors(prefix: str, tree: Tree) -> list[Any]:
-    return _fields(prefix, _TREE_NAMES, [getattr(tree, n) for n in _TREE_NAMES])
+    return _fields(prefix, TREE_FIELDS, [getattr(tree, n) for n in TREE_FIELDS])
 
 
 def _build_tree_op(
@@ -329,7 +325,7 @@ def _build_tree_op(
     if out is None:
         return _Op(
             tensors=tensors,
-            outputs=() if outputs is None else tuple(getattr(outputs, n) for n in _TREE_NAMES),
+            outputs=() if outputs is None else tuple(getattr(outputs, n) for n in TREE_FIELDS),
             make=make,
             finish=finish,
             idempotent=True,
@@ -341,7 +337,7 @@ def _build_tree_op(
         memo_key = _memo_key(scalars, tensors)
     return _Op(
         tensors=tensors,
-        outputs=tuple(getattr(out, n) for n in _TREE_NAMES),
+        outputs=tuple(getattr(out, n) for n in TREE_FIELDS),
         make=make,
         finish=finish,
         idempotent=True,
@@ -404,7 +400,7 @@ def _accept_tree_op(
         ]
     if outputs is not None:
         tensors += _fields(
-            "outputs", _ACCEPTANCE_NAMES, [getattr(outputs, n) for n in _ACCEPTANCE_NAMES]
+            "outputs", ACCEPTANCE_FIELDS, [getattr(outputs, n) for n in ACCEPTANCE_FIELDS]
         )
     memo_key = None
     if out is not None and ipc is not None:
@@ -412,7 +408,7 @@ def _accept_tree_op(
         memo_key = _memo_key(scalars, tensors)
     return _Op(
         tensors=tensors,
-        outputs=() if outputs is None else tuple(getattr(outputs, n) for n in _ACCEPTANCE_NAMES),
+        outputs=() if outputs is None else tuple(getattr(outputs, n) for n in ACCEPTANCE_FIELDS),
         make=make,
         finish=finish,
         # A cache compacted in place must not be compacted twice by a retry.

@@ -30,7 +30,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ddtree.kernels.types import MAX_BUDGET, MAX_DRAFT_LEN, Acceptance, ErrorFlag, Tree
+from ddtree.kernels.types import (
+    MAX_BUDGET,
+    MAX_DRAFT_LEN,
+    TREE_FIELDS,
+    Acceptance,
+    ErrorFlag,
+    Tree,
+)
 
 __all__ = [
     "FLAG_MESSAGES",
@@ -372,14 +379,7 @@ def check_disjoint(out: Tree, inputs: dict[str, torch.Tensor]) -> None:
 
 
 def _tree_fields(tree: Tree) -> list[tuple[str, torch.Tensor]]:
-    return [
-        ("tokens", tree.tokens),
-        ("parents", tree.parents),
-        ("depths", tree.depths),
-        ("log_probs", tree.log_probs),
-        ("num_nodes", tree.num_nodes),
-        ("mask", tree.mask),
-    ]
+    return [(name, getattr(tree, name)) for name in TREE_FIELDS]
 
 
 def check_tree(tree: object, name: str = "tree") -> Tree:

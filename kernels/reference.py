@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.kernels import checks
-from ddtree.kernels.types import Acceptance, Tree, mask_words
+from ddtree.kernels.types import TREE_FIELDS, Acceptance, Tree, mask_words
 
 __all__ = [
     "accept",
@@ -298,7 +298,7 @@ def build_tree(
     if out is None:
         return tree
     clean = ~skip.any()  # all or nothing: a flagged request anywhere leaves out untouched
-    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
+    for name in TREE_FIELDS:
         destination = getattr(out, name)
         destination.copy_(torch.where(clean, getattr(tree, name), destination))
     return out

@@ -7,13 +7,28 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_BUDGET", "MAX_DRAFT_LEN", "Acceptance", "ErrorFlag", "Tree", "mask_words"]
+__all__ = [
+    "ACCEPTANCE_FIELDS",
+    "MAX_BUDGET",
+    "MAX_DRAFT_LEN",
+    "TREE_FIELDS",
+    "Acceptance",
+    "ErrorFlag",
+    "Tree",
+    "mask_words",
+]
 
 MAX_BUDGET = 1024
 """Largest draft budget (nodes besides the root) one tree may hold."""
 
 MAX_DRAFT_LEN = 32
 """Largest draft length (depth of the deepest node)."""
+
+TREE_FIELDS = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
+"""The tensor fields of a ``Tree``, in the order the wire and the kernels list them."""
+
+ACCEPTANCE_FIELDS = ("nodes", "tokens", "length", "bonus")
+"""The tensor fields of an ``Acceptance``, in wire order."""
 
 
 def mask_words(num_nodes: int) -> int:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ddtree.kernels.types import Acceptance, Tree
+from ddtree.kernels.types import ACCEPTANCE_FIELDS, TREE_FIELDS, Acceptance, Tree
 from ddtree.service.calls import (
     AcceptTreeCall,
     BuildTreeCall,
@@ -74,9 +74,6 @@ DTYPE_TO_TORCH: dict[tensor_pb2.DType, torch.dtype] = {
 
 TORCH_TO_DTYPE: dict[torch.dtype, tensor_pb2.DType] = {v: k for k, v in DTYPE_TO_TORCH.items()}
 """torch dtype -> wire dtype enum value."""
-
-_TREE_FIELDS = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
-_ACCEPTANCE_FIELDS = ("nodes", "tokens", "length", "bonus")
 
 
 class TensorResolver:
@@ -312,7 +309,7 @@ def tree_refs_to_proto(
     if message is None:
         message = tree_pb2.Tree()
     message.draft_len = tree.draft_len
-    for name in _TREE_FIELDS:
+    for name in TREE_FIELDS:
         _set_ref(getattr(message, name), getattr(tree, name), getattr(refs, name))
     return message
 
@@ -329,7 +326,7 @@ def acceptance_refs_to_proto(
     """
     if message is None:
         message = tree_pb2.Acceptance()
-    for name in _ACCEPTANCE_FIELDS:
+    for name in ACCEPTANCE_FIELDS:
         _set_ref(getattr(message, name), getattr(acceptance, name), getattr(refs, name))
     return message
 

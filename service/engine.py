@@ -37,7 +37,15 @@ import torch
 import ddtree
 from ddtree import kernels
 from ddtree.kernels.backend import Backend, resolve_backend
-from ddtree.kernels.types import MAX_BUDGET, MAX_DRAFT_LEN, Acceptance, ErrorFlag, Tree
+from ddtree.kernels.types import (
+    ACCEPTANCE_FIELDS,
+    MAX_BUDGET,
+    MAX_DRAFT_LEN,
+    TREE_FIELDS,
+    Acceptance,
+    ErrorFlag,
+    Tree,
+)
 from ddtree.service.calls import (
     AcceptTreeCall,
     AcceptTreeResult,
@@ -213,10 +221,6 @@ class EngineInfo:
 def _layout(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
     """What a kernel launch reads of a tensor: address, shape, strides, dtype."""
     return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
-
-
-def _tree_tensors(tree: Tree) -> tuple[torch.Tensor, ...]:
-    return tree.tokens, tree.parents, tree.depths, tree.log_probs, tree.num_nodes, tree.mask
 
 
 def _release(leases: Leases | None) -> None:
@@ -952,7 +956,7 @@ class Engine:
         # launches (``LaunchGraphs``); the key names every argument of the kernels.
         key = (
             "build_tree",
-            *(_layout(t) for t in (logits, roots, *_tree_tensors(out))),
+            *(_layout(t) for t in (logits, roots, *(getattr(out, n) for n in TREE_FIELDS))),
             self._flag_buffers(batch_size)[0].data_ptr(),
             budget,
             max_budget,
@@ -1041,7 +1045,7 @@ class Engine:
         )
         if call.out is not None:
             # Caller memory, written only after the verdict.
-            for name in ("nodes", "tokens", "length", "bonus"):
+            for name in ACCEPTANCE_FIELDS:
                 getattr(call.out, name).copy_(getattr(acceptance, name))
             return AcceptTreeResult(acceptance=call.out, kv_cache=kv_cache)
         return AcceptTreeResult(acceptance=result, kv_cache=kv_cache)
