@@ -5,7 +5,8 @@ step after step (the same region tokens, offsets, shapes and scalars). Decoding 
 (parsing every reference, leasing its regions, bounds and alignment checks) cost 73-113 us per
 call on the H200 host at batch 32. The memo keeps the last few decoded calls under
 ``(caller identity, request type, request bytes)``; a hit leases the call's regions again and
-reuses the decoded call with the new deadline.
+reuses the decoded call with the new deadline. The copies of one kept call share a ``Prepared``,
+where the engine keeps what it derived from the call once (its validation, its replay key).
 
 Why a hit is the same call: the request bytes determine everything decoding computes from them
 (the views are pure functions of token, offset, dtype and shape; a token names one region, whose
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
+from ddtree.service.calls import Prepared
 from ddtree.service.convert import TensorResolver
 from ddtree.service.errors import DDTreeError
 from ddtree.service.memory import Leases
@@ -36,7 +38,7 @@ _MAX_REQUEST_BYTES = 4096
 
 
 _C = TypeVar("_C")
-"""A decoded call: a frozen dataclass with ``deadline_s`` and ``leases`` fields."""
+"""A decoded call: a frozen dataclass with ``deadline_s``, ``leases`` and ``prepared`` fields."""
 
 
 class DecodedCalls:
@@ -101,6 +103,8 @@ class DecodedCalls:
                 return reused
         call: Any = decode(request, resolver, deadline_s=deadline_s)
         if call.leases:  # it references caller memory
+            # This call and every reuse of it share what the engine prepares for them.
+            call = replace(call, prepared=Prepared())
             with self._lock:
                 self._calls[key] = _Kept(replace(call, deadline_s=None, leases=None), call.leases)
                 if len(self._calls) > self._capacity:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,7 @@ __all__ = [
     "BuildTreeCall",
     "CallLimits",
     "KvCommitArgs",
+    "Prepared",
     "VerifyAttentionCall",
     "validate_accept_tree",
     "validate_build_tree",
@@ -74,6 +75,32 @@ class CallLimits:
     """Largest single tensor, bytes."""
 
 
+class Prepared:
+    """What the engine worked out once for a decoded call that is sent again.
+
+    The servicer keeps decoded by-reference calls (``DecodedCalls``) and hands out copies of one
+    with a fresh deadline and fresh leases for every request that repeats it byte for byte.
+    Every copy shares this object (``dataclasses.replace`` copies the reference), and nothing
+    else does: its tensors are the same views of the same caller memory and its scalars are the
+    same, so what the engine derived from them holds for every copy.
+
+    Attributes
+    ----------
+    validated_for : CallLimits or None
+        The limits the call passed ``validate_*`` under (the engine's own, compared by
+        identity); ``None`` until it has.
+    launch_key : tuple or None
+        The engine's replay key of the call's launches (see ``service.replay``), ``None`` until
+        computed.
+    """
+
+    __slots__ = ("launch_key", "validated_for")
+
+    def __init__(self) -> None:
+        self.validated_for: CallLimits | None = None
+        self.launch_key: tuple[Any, ...] | None = None
+
+
 @dataclass(frozen=True)
 class BuildTreeCall:
     """Arguments of ``Engine.build_tree`` (see ``ddtree.kernels.build_tree``)."""
@@ -95,6 +122,8 @@ class BuildTreeCall:
     """CUDA IPC event handle the engine's stream waits on before reading inputs; ``b""``: none."""
     leases: Leases | None = None
     """Registered regions the call's tensors live in; released when the call's work ends."""
+    prepared: Prepared | None = field(default=None, compare=False, repr=False)
+    """Shared by the reuses of one decoded call (``Prepared``); ``None`` for a one-off call."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +153,7 @@ class AcceptTreeCall:
     """Destination of the acceptance on the engine's device; the result is it."""
     wait_event_ipc_handle: bytes = b""
     leases: Leases | None = None
+    prepared: Prepared | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -157,6 +187,7 @@ class VerifyAttentionCall:
     """Destination of the log-sum-exp on the engine's device; the result is it."""
     wait_event_ipc_handle: bytes = b""
     leases: Leases | None = None
+    prepared: Prepared | None = field(default=None, compare=False, repr=False)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -88,6 +88,7 @@ __all__ = ["DeviceInfo", "Engine", "EngineInfo", "EngineObserver"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_Call = TypeVar("_Call", BuildTreeCall, AcceptTreeCall, VerifyAttentionCall)
 
 # Which request field each error flag blames, per op, in the order they are reported.
 _FLAG_FIELDS: dict[str, tuple[tuple[ErrorFlag, type[InvalidArgument], str, str], ...]] = {
@@ -584,7 +585,7 @@ class Engine:
         """
         try:
             self._check_state()
-            validate_build_tree(call, self.limits)
+            self._validate(call, validate_build_tree)
             return self._submit(
                 call.deadline_s,
                 lambda: self._build_tree(call),
@@ -622,7 +623,7 @@ class Engine:
         """
         try:
             self._check_state()
-            validate_accept_tree(call, self.limits)
+            self._validate(call, validate_accept_tree)
             return self._submit(
                 call.deadline_s,
                 lambda: self._accept_tree(call),
@@ -656,7 +657,7 @@ class Engine:
         """
         try:
             self._check_state()
-            validate_verify_attention(call, self.limits)
+            self._validate(call, validate_verify_attention)
             return self._submit(
                 call.deadline_s,
                 lambda: self._verify_attention(call),
@@ -675,6 +676,19 @@ class Engine:
             raise ShuttingDown("engine: shutting down, send the call to another replica")
         if not self._is_ready:
             raise WarmingUp("engine: kernels are warming up, retry shortly")
+
+    def _validate(self, call: _Call, validate: Callable[[_Call, CallLimits], None]) -> None:
+        """``validate(call, self.limits)``, once per decoded call that the servicer reuses.
+
+        A reused call (``call.prepared``, shared by its copies) has the tensors and scalars it
+        had when it passed: it passes again, so only the first copy is checked.
+        """
+        prepared = call.prepared
+        if prepared is not None and prepared.validated_for is self.limits:
+            return
+        validate(call, self.limits)
+        if prepared is not None:
+            prepared.validated_for = self.limits
 
     def _submit(
         self,
@@ -734,13 +748,7 @@ class Engine:
             future: Future[_T] = Future()
             future.set_running_or_notify_cancel()
             try:
-                if self._stream is None:
-                    future.set_result(run_checked())
-                else:
-                    # An inline op on the caller's thread: this engine's stream (and with it
-                    # its device, which ``torch.cuda.stream`` makes current) for its length.
-                    with torch.cuda.stream(self._stream):
-                        future.set_result(run_checked())
+                future.set_result(self._on_stream(run_checked))
             except BaseException as err:  # delivered through the future, as from the worker
                 future.set_exception(err)
             finally:
@@ -755,6 +763,28 @@ class Engine:
         if leases is not None:
             future.add_done_callback(lambda _: leases.release())
         return future
+
+    def _on_stream(self, work: Callable[[], _T]) -> _T:
+        """``work()`` on this thread with this engine's stream (and with it its device) current,
+        restoring the thread's stream after it: an inline op on the caller's thread.
+
+        ``torch.cuda.stream`` does the same through two current-device lookups that each check
+        whether CUDA is available; this reads the current device once, and takes that path
+        only when it is another device (whose stream must be restored too).
+        """
+        stream = self._stream
+        if stream is None:
+            return work()
+        index = stream.device_index
+        if torch.cuda.current_device() != index:
+            with torch.cuda.stream(stream):
+                return work()
+        previous = torch.cuda.current_stream(index)
+        torch.cuda.set_stream(stream)
+        try:
+            return work()
+        finally:
+            torch.cuda.set_stream(previous)
 
     def _enter_stream(self) -> None:
         # The worker's initializer: every op of this engine runs on its stream.
@@ -954,14 +984,20 @@ class Engine:
             return result
         # Outputs in caller memory on CUDA: the same buffers as an earlier call replay its
         # launches (``LaunchGraphs``); the key names every argument of the kernels.
-        key = (
-            "build_tree",
-            *(_layout(t) for t in (logits, roots, *(getattr(out, n) for n in TREE_FIELDS))),
-            self._flag_buffers(batch_size)[0].data_ptr(),
-            budget,
-            max_budget,
-            call.temperature,
-        )
+        prepared = call.prepared
+        launch_key = None if prepared is None else prepared.launch_key
+        if launch_key is None:
+            tensors = (logits, roots, *(getattr(out, n) for n in TREE_FIELDS))
+            launch_key = (
+                "build_tree",
+                *(_layout(t) for t in tensors),
+                budget,
+                max_budget,
+                call.temperature,
+            )
+            if prepared is not None:
+                prepared.launch_key = launch_key
+        key = (launch_key, self._flag_buffers(batch_size)[0].data_ptr())
         tree, flags = self._launch_op(
             "build_tree", lambda f: graphs.run(key, lambda: launch(f)), batch_size
         )

@@ -6,6 +6,8 @@ again on every reuse, and must never outlive the registration it was decoded aga
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers.ipc import HostMapper
@@ -13,7 +15,8 @@ from helpers.ipc import HostMapper
 from ddtree.service import convert
 from ddtree.service.call_memo import DecodedCalls
 from ddtree.service.calls import BuildTreeCall, CallLimits
-from ddtree.service.errors import MemoryTokenNotFound
+from ddtree.service.engine import Engine
+from ddtree.service.errors import InvalidArgument, MemoryTokenNotFound
 from ddtree.service.memory import MemoryLimits, RegionTable
 from ddtree.v1 import tensor_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
@@ -130,3 +133,44 @@ def test_the_least_recently_used_call_is_dropped_past_capacity() -> None:
         decode(memo, request(token, budget=budget), resolver)
     # 3, 4, 5 decoded; 4 reused; 3 was dropped when 5 came in
     assert memo.hits == 1
+
+
+def test_the_copies_of_a_kept_call_share_one_prepared() -> None:
+    mapper = HostMapper()
+    resolver, table = make_resolver(mapper)
+    token = register(table, mapper)
+    memo = DecodedCalls()
+    first: BuildTreeCall = decode(memo, request(token), resolver)
+    second: BuildTreeCall = decode(memo, request(token), resolver)
+    other: BuildTreeCall = decode(memo, request(token, budget=5), resolver)
+    assert first.prepared is not None
+    assert second.prepared is first.prepared  # what the engine derives once holds for both
+    assert other.prepared is not None and other.prepared is not first.prepared
+    inline: BuildTreeCall = decode(memo, request(token, inline_roots=True), resolver)
+    assert inline.prepared is not None  # its logits are a reference: kept
+    for call in (first, second, other, inline):
+        call.leases.release()  # type: ignore[union-attr]
+
+
+def test_the_engine_validates_a_reused_call_once_per_limits() -> None:
+    mapper = HostMapper()
+    resolver, table = make_resolver(mapper)
+    token = register(table, mapper)
+    memo = DecodedCalls()
+    first: BuildTreeCall = decode(memo, request(token), resolver)
+    second: BuildTreeCall = decode(memo, request(token), resolver)
+    with (
+        Engine(device="cpu", backend="reference") as engine,
+        Engine(device="cpu", backend="reference", limits=CallLimits(max_batch_size=1)) as small,
+    ):
+        engine.warm_up()
+        small.warm_up()
+        engine.build_tree(replace(first, deadline_s=None)).result()
+        assert first.prepared is not None and first.prepared.validated_for is engine.limits
+        engine.build_tree(replace(second, deadline_s=None)).result()
+        # Another engine's limits are not the ones it passed: checked again (batch 2 > 1).
+        third: BuildTreeCall = decode(memo, request(token), resolver)
+        with pytest.raises(InvalidArgument, match="batch"):
+            small.build_tree(replace(third, deadline_s=None))
+        assert third.prepared is first.prepared
+        assert first.prepared.validated_for is engine.limits

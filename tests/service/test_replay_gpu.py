@@ -9,6 +9,7 @@ never be used for a call whose buffers or arguments differ. GPU only.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from helpers.generators import draft_logits, is_poisoned, poison, poisoned_tree
 
 from ddtree import kernels
 from ddtree.kernels.types import Tree
-from ddtree.service.calls import BuildTreeCall
+from ddtree.service.calls import BuildTreeCall, Prepared
 from ddtree.service.engine import Engine
 from ddtree.service.errors import InvalidToken
 from ddtree.service.replay import LaunchGraphs
@@ -61,6 +62,25 @@ def test_repeated_builds_are_replayed_with_fresh_inputs(engine: Engine) -> None:
         _assert_same(out, kernels.build_tree(logits, roots, 64, backend="reference"))
     assert _graphs(engine).replays == 4
     assert len(_graphs(engine)) == 1
+
+
+def test_a_reused_call_keeps_its_replay_key(engine: Engine) -> None:
+    # The servicer's copies of one decoded call share a Prepared: the key is computed once.
+    logits = torch.empty(BATCH, DRAFT_LEN, VOCAB, dtype=torch.float16, device="cuda")
+    roots = torch.empty(BATCH, dtype=torch.int64, device="cuda")
+    out = poisoned_tree(BATCH, 17, DRAFT_LEN, device="cuda")
+    kept = BuildTreeCall(
+        draft_logits=logits, root_tokens=roots, budget=16, out=out, prepared=Prepared()
+    )
+    for step in range(4):
+        logits.copy_(draft_logits(BATCH, DRAFT_LEN, VOCAB, seed=10 + step, dtype=torch.float16))
+        roots.random_(0, VOCAB)
+        poison(out)
+        engine.build_tree(replace(kept, deadline_s=None), inline=True).result(timeout=60)
+        _assert_same(out, kernels.build_tree(logits, roots, 16, backend="reference"))
+        assert kept.prepared is not None and kept.prepared.launch_key is not None
+        assert kept.prepared.validated_for is engine.limits
+    assert _graphs(engine).replays == 2 and len(_graphs(engine)) == 1
 
 
 def test_a_bad_root_in_a_replay_leaves_caller_memory_untouched(engine: Engine) -> None:
