@@ -13,8 +13,8 @@ server through a launcher script), so each call splits into:
   (``Engine.build_tree`` / ``accept_tree``: validation and queueing, and the whole op when it
   runs inline on the event loop, as a lone call does on CUDA), ``launch``
   (``Engine._launch_op``; on the CPU it runs on the device worker, inside the handler's span),
-  ``verdict`` (``Engine._check_flags``, whose stream synchronisation waits for the device) and
-  ``reply``;
+  ``verdict`` (``Engine._check_flags`` or ``_check_accept_flags``, whose stream
+  synchronisation waits for the device) and ``reply``;
 * ``outbound``: the servicer returns -> the caller's gRPC call returns;
 * ``caller_after``: decoding the reply.
 
@@ -93,6 +93,7 @@ engine.Engine.build_tree = stamped(engine.Engine.build_tree, "engine_op")
 engine.Engine.accept_tree = stamped(engine.Engine.accept_tree, "engine_op")
 engine.Engine._launch_op = stamped(engine.Engine._launch_op, "launch")
 engine.Engine._check_flags = stamped(engine.Engine._check_flags, "verdict")
+engine.Engine._check_accept_flags = stamped(engine.Engine._check_accept_flags, "verdict")
 convert.tree_refs_to_proto = stamped(convert.tree_refs_to_proto, "reply")
 convert.tree_to_proto = stamped(convert.tree_to_proto, "reply")
 convert.acceptance_refs_to_proto = stamped(convert.acceptance_refs_to_proto, "reply")

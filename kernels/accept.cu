@@ -12,6 +12,11 @@
 // a malformed tree sets ErrorFlag.TREE, a negative target token at a node < num_nodes sets
 // ErrorFlag.TOKEN; such a request (or one whose error_flags entry is already non-zero) gets
 // length 0, bonus -1 and -1 paths. Every index is range-checked before use.
+// PHASE (a launch argument): 0 = validate and walk each request on its own (above); for outputs
+// in caller memory, written all or nothing, two launches: 1 = validate only (flags, nothing
+// else written), then 2 = every block first reads the flags of the whole batch and writes
+// nothing if any is set, else validates again (the data may not be trusted to stay put) and
+// walks as in 0.
 // Shared memory: a few words per block.
 #include "common.cuh"
 
@@ -46,7 +51,8 @@ extern "C" __global__ void __launch_bounds__(ACCEPT_THREADS) ddtree_accept(
     int64_t* __restrict__ path_tokens,        // [batch, path_len]
     int32_t* __restrict__ length,             // [batch]
     int64_t* __restrict__ bonus,              // [batch]
-    int32_t num_nodes_max, int32_t draft_len, int32_t vocab, int32_t mode, float temperature) {
+    int32_t num_nodes_max, int32_t draft_len, int32_t vocab, int32_t mode, float temperature,
+    int32_t batch_size, int32_t phase) {
   __shared__ int flags;
   __shared__ int child;
   __shared__ float sv[32], sv2[32];
@@ -55,6 +61,11 @@ extern "C" __global__ void __launch_bounds__(ACCEPT_THREADS) ddtree_accept(
   const int64_t b = blockIdx.x;
   const int path_len = draft_len + 1;
   const int64_t base = b * (int64_t)num_nodes_max;
+  if (phase == 2) {
+    int any = 0;
+    for (int r = tid; r < batch_size; r += ACCEPT_THREADS) any |= error_flags[r];
+    if (__syncthreads_or(any)) return;
+  }
   const int num = num_nodes[b];
   if (tid == 0) flags = 0;
   __syncthreads();
@@ -79,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(ACCEPT_THREADS) ddtree_accept(
   __syncthreads();
   const int found = flags;
   if (tid == 0 && found) atomicOr(&error_flags[b], found);
+  if (phase == 1) return;
   const bool skip = found != 0 || error_flags[b] != 0;
   if (skip) {
     for (int s = tid; s < path_len; s += ACCEPT_THREADS) {

@@ -19,6 +19,7 @@ def accept(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     error_flags: torch.Tensor | None = None,
+    out: Acceptance | None = None,
     backend: Backend = "auto",
 ) -> Acceptance:
     """Accept the longest root-anchored path of ``tree`` that the target agrees with.
@@ -55,19 +56,26 @@ def accept(
         there and that request, like one flagged by an earlier op, gets an empty acceptance
         (``length`` 0, bonus ``-1``, paths ``-1``); if omitted it raises ``ValueError`` (a host
         sync on CUDA).
+    out : Acceptance, optional
+        Where to write the result: tensors of exactly the returned ``Acceptance``'s shapes and
+        dtypes, on the tree's device, contiguous, sharing no memory with each other or with the
+        inputs (``ValueError`` otherwise, naming the field). ``out`` is returned. All or
+        nothing: with ``error_flags``, if any request of the batch is flagged (by this op or on
+        entry), nothing is written to ``out``; without it, bad data raises before anything is
+        written. For destinations in caller memory (the server's calls by reference).
     backend : {"auto", "cuda", "reference"}
         See ``ddtree.kernels``.
 
     Returns
     -------
     Acceptance
-        ``path_len = tree.draft_len + 1`` slots per request.
+        ``path_len = tree.draft_len + 1`` slots per request; ``out`` when given.
 
     Raises
     ------
     ValueError
         Shapes, dtypes or devices that disagree with ``tree``, both or neither target given,
-        ``temperature < 0``, or sampling without logits.
+        ``temperature < 0``, sampling without logits, or an ``out`` that does not fit.
     """
     if resolve_backend(backend, tree.device) == "cuda":
         from ddtree.kernels import tree_cuda
@@ -79,6 +87,7 @@ def accept(
             temperature=temperature,
             generator=generator,
             error_flags=error_flags,
+            out=out,
         )
     return reference.accept(
         tree,
@@ -87,4 +96,5 @@ def accept(
         temperature=temperature,
         generator=generator,
         error_flags=error_flags,
+        out=out,
     )

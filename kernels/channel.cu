@@ -490,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(ACCEPT_THREADS) ddtree_channel_acce
                 (int32_t*)a->ptr[DDTREE_A_FLAGS], (int32_t*)a->ptr[DDTREE_A_PATH_NODES],
                 (int64_t*)a->ptr[DDTREE_A_PATH_TOKENS], (int32_t*)a->ptr[DDTREE_A_LENGTH],
                 (int64_t*)a->ptr[DDTREE_A_BONUS], num_nodes_max, draft_len, vocab, mode,
-                a->temperature);
+                a->temperature, a->batch_size, 0);
 }
 
 extern "C" __global__ void ddtree_channel_commit_kv(const DdtreeChannelArgs* __restrict__ a,
@@ -502,6 +502,6 @@ extern "C" __global__ void ddtree_channel_commit_kv(const DdtreeChannelArgs* __r
                    (const int32_t*)a->ptr[DDTREE_A_PREFIX_LENS],
                    (const int32_t*)a->ptr[DDTREE_A_PATH_NODES],
                    (const int32_t*)a->ptr[DDTREE_A_LENGTH], (int32_t*)a->ptr[DDTREE_A_FLAGS],
-                   num_pages, page_size, row_vecs, max_pages, path_len);
+                   num_pages, page_size, row_vecs, max_pages, path_len, a->batch_size, 0);
 }
 #endif

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from ddtree.kernels.types import (
+    ACCEPTANCE_FIELDS,
     MAX_BUDGET,
     MAX_DRAFT_LEN,
     TREE_FIELDS,
@@ -46,6 +47,7 @@ __all__ = [
     "acceptance_flags",
     "attention_flags",
     "check_accept_args",
+    "check_acceptance_out",
     "check_build_tree_args",
     "check_commit_kv_args",
     "check_error_flags",
@@ -329,7 +331,7 @@ def check_build_tree_args(
         inputs = {"draft_logits": draft_logits, "root_tokens": root_tokens, "budget": budgets}
         if error_flags is not None:
             inputs["error_flags"] = error_flags
-        check_disjoint(out, inputs)
+        check_disjoint(_fields("out", out, TREE_FIELDS), inputs)
     return budgets, num_nodes_max
 
 
@@ -353,15 +355,16 @@ def check_tree_out(
         )
     if out.draft_len != draft_len:
         raise ValueError(f"out.draft_len: expected {draft_len}, got {out.draft_len}")
-    for name, tensor in _tree_fields(out):
+    for name, tensor in _fields("out", out, TREE_FIELDS).items():
         if tensor.device != device:
-            raise ValueError(f"out.{name}: expected device {device}, got {tensor.device}")
+            raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
         if not tensor.is_contiguous():
-            raise ValueError(f"out.{name}: expected a contiguous tensor")
+            raise ValueError(f"{name}: expected a contiguous tensor")
 
 
-def check_disjoint(out: Tree, inputs: dict[str, torch.Tensor]) -> None:
-    """Check that no tensor of ``out`` shares a byte with another one or with ``inputs``.
+def check_disjoint(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+    """Check that no tensor of ``outputs`` shares a byte with another one or with ``inputs``
+    (both keyed by the name an error gives them).
 
     Raises
     ------
@@ -370,7 +373,7 @@ def check_disjoint(out: Tree, inputs: dict[str, torch.Tensor]) -> None:
     """
     spans = sorted(
         (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-        for name, t in [*(("out." + n, t) for n, t in _tree_fields(out)), *inputs.items()]
+        for name, t in [*outputs.items(), *inputs.items()]
         if t.numel()
     )
     for (_, end, name), (start, _, other) in itertools.pairwise(spans):
@@ -378,8 +381,10 @@ def check_disjoint(out: Tree, inputs: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{other}: overlaps {name} (outputs must not share memory)")
 
 
-def _tree_fields(tree: Tree) -> list[tuple[str, torch.Tensor]]:
-    return [(name, getattr(tree, name)) for name in TREE_FIELDS]
+def _fields(prefix: str, value: object, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """``{"prefix.name": value.name}`` for the tensor fields ``names`` of a Tree or Acceptance."""
+    fields: dict[str, torch.Tensor] = {f"{prefix}.{n}": getattr(value, n) for n in names}
+    return fields
 
 
 def check_tree(tree: object, name: str = "tree") -> Tree:
@@ -461,6 +466,7 @@ def check_accept_args(
     temperature: float,
     generator: torch.Generator | None,
     error_flags: torch.Tensor | None,
+    out: Acceptance | None = None,
 ) -> None:
     """Check ``accept``'s arguments (see ``ddtree.kernels.accept``).
 
@@ -512,6 +518,48 @@ def check_accept_args(
                 f"got one on {generator.device}"
             )
     check_error_flags(error_flags, batch_size, device)
+    if out is not None:
+        check_acceptance_out(out, batch_size, tree.draft_len + 1, device)
+        inputs = _fields("tree", tree, TREE_FIELDS)
+        for name, tensor in (
+            ("target_tokens", target_tokens),
+            ("target_logits", target_logits),
+            ("error_flags", error_flags),
+        ):
+            if tensor is not None:
+                inputs[name] = tensor
+        check_disjoint(_fields("out", out, ACCEPTANCE_FIELDS), inputs)
+
+
+def check_acceptance_out(
+    out: Acceptance, batch_size: int, path_len: int, device: torch.device
+) -> None:
+    """Check an ``accept`` destination: an ``Acceptance`` of exactly the result's shapes and
+    dtypes (``batch_size`` requests, ``path_len`` slots) on ``device``, every tensor contiguous.
+
+    Raises
+    ------
+    TypeError, ValueError
+        The message names the offending field of ``out``.
+    """
+    if not isinstance(out, Acceptance):
+        raise TypeError(f"out: expected a ddtree.kernels.Acceptance, got {type(out)}")
+    pair, single = (batch_size, path_len), (batch_size,)
+    for name, shape, dtype in (
+        ("nodes", pair, torch.int32),
+        ("tokens", pair, torch.int64),
+        ("length", single, torch.int32),
+        ("bonus", single, torch.int64),
+    ):
+        check_tensor(
+            getattr(out, name),
+            f"out.{name}",
+            shape=shape,
+            shape_doc="(batch_size, draft_len + 1)" if len(shape) == 2 else "(batch_size,)",
+            dtypes=(dtype,),
+            device=device,
+            contiguous=True,
+        )
 
 
 def _check_acceptance(acceptance: object, batch_size: int, device: torch.device) -> None:

@@ -11,6 +11,11 @@
 // accepted rows of its slice into shared memory, synchronises, and only then writes them: sources
 // are all read before any destination is written, so overlapping paths are safe.
 //
+// PHASE (a launch argument): 0 = validate and move each request on its own; all or nothing, in
+// two launches: 1 = validate only (grid (batch_size, 1): flags, the cache untouched), then 2 =
+// every block first reads the flags of the whole batch (an earlier op's too) and moves nothing
+// if any is set, else validates again and moves as in 0.
+//
 // Shared memory: path_len * COLS_PER_BLOCK * 16 bytes (path_len <= 33, so <= 33 * 16 * 64 bytes).
 // Preconditions (checked on the host): row_bytes = head_dim * element size is a multiple of 16
 // and the cache is 16-byte aligned and contiguous; 1 <= page_size <= 256.
@@ -31,13 +36,18 @@ extern "C" __global__ void ddtree_commit_kv(
     const int32_t* __restrict__ length,       // [batch_size]
     int32_t* __restrict__ error_flags,        // [batch_size]
     int32_t num_pages, int32_t page_size, int32_t row_vecs, int32_t max_pages,
-    int32_t path_len) {
+    int32_t path_len, int32_t batch_size, int32_t phase) {
   __shared__ uint4 rows[33 * COLS_PER_BLOCK];
   __shared__ int32_t src_row[33];  // page * page_size + slot of each accepted source
   __shared__ int32_t dst_row[33];
   __shared__ int32_t verdict;
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
+  if (phase == 2) {
+    int any = 0;
+    for (int r = tid; r < batch_size; r += blockDim.x) any |= error_flags[r];
+    if (__syncthreads_or(any)) return;
+  }
   if (tid == 0) verdict = 0;
   __syncthreads();
 
@@ -78,7 +88,7 @@ extern "C" __global__ void ddtree_commit_kv(
   const int found = verdict;
   if (blockIdx.y == 0 && tid == 0 && found) atomicOr(&error_flags[b], found);
   // A request already flagged by an earlier op is left untouched as well.
-  if (found != 0 || error_flags[b] != 0) return;
+  if (phase == 1 || found != 0 || error_flags[b] != 0) return;
 
   const int col0 = blockIdx.y * COLS_PER_BLOCK;
   const int cols = min(COLS_PER_BLOCK, row_vecs - col0);

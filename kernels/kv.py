@@ -18,6 +18,7 @@ def commit_kv(
     acceptance: Acceptance,
     *,
     error_flags: torch.Tensor | None = None,
+    all_or_nothing: bool = False,
     backend: Backend = "auto",
 ) -> None:
     """Move each accepted node's latent from ``prefix_len + nodes[m]`` to ``prefix_len + m``.
@@ -45,6 +46,10 @@ def commit_kv(
         ``[0, num_pages)`` on a touched position (``ErrorFlag.BLOCK_TABLE``), a bad prefix length
         (``ErrorFlag.LENGTH``) or a malformed path (``ErrorFlag.ACCEPTANCE``) is flagged and its
         cache left untouched; if omitted it raises ``ValueError`` (a host sync on CUDA).
+    all_or_nothing : bool
+        With ``error_flags``: if any request of the batch is flagged (by this op, or on entry
+        by an earlier op such as ``accept``), no request's cache is touched. This lets a
+        commit follow ``accept`` on the stream without waiting for its verdict.
     backend : {"auto", "cuda", "reference"}
         See ``ddtree.kernels``.
 
@@ -56,6 +61,20 @@ def commit_kv(
     if resolve_backend(backend, kv_cache.device) == "cuda":
         from ddtree.kernels import tree_cuda
 
-        tree_cuda.commit_kv(kv_cache, block_table, prefix_lens, acceptance, error_flags=error_flags)
+        tree_cuda.commit_kv(
+            kv_cache,
+            block_table,
+            prefix_lens,
+            acceptance,
+            error_flags=error_flags,
+            all_or_nothing=all_or_nothing,
+        )
         return
-    reference.commit_kv(kv_cache, block_table, prefix_lens, acceptance, error_flags=error_flags)
+    reference.commit_kv(
+        kv_cache,
+        block_table,
+        prefix_lens,
+        acceptance,
+        error_flags=error_flags,
+        all_or_nothing=all_or_nothing,
+    )

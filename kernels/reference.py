@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.kernels import checks
-from ddtree.kernels.types import TREE_FIELDS, Acceptance, Tree, mask_words
+from ddtree.kernels.types import ACCEPTANCE_FIELDS, TREE_FIELDS, Acceptance, Tree, mask_words
 
 __all__ = [
     "accept",
@@ -364,6 +364,7 @@ def accept(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     error_flags: torch.Tensor | None = None,
+    out: Acceptance | None = None,
 ) -> Acceptance:
     """Reference ``accept`` (see ``ddtree.kernels.accept`` for the contract).
 
@@ -381,7 +382,8 @@ def accept(
     The walk moves to the lowest-numbered child ``c < num_nodes`` with ``tokens[c]`` equal to
     the target's token and stops when there is none. Requests skipped for a malformed tree or a
     negative target token at a node ``< num_nodes`` get ``length`` 0, bonus ``-1`` and ``-1``
-    paths.
+    paths. With ``out``, the acceptance is computed apart and copied into ``out`` only when no
+    request of the batch is skipped.
     """
     checks.check_accept_args(
         tree,
@@ -390,6 +392,7 @@ def accept(
         temperature=temperature,
         generator=generator,
         error_flags=error_flags,
+        out=out,
     )
     batch_size, num_nodes_max = tree.batch_size, tree.num_nodes_max
     device = tree.device
@@ -435,12 +438,19 @@ def accept(
         bonus = torch.where(walking & ~has_child, chosen, bonus)  # [batch]
         walking = walking & has_child  # [batch]
         current = torch.where(walking, is_child.long().argmax(dim=1), current)  # [batch]
-    return Acceptance(
+    acceptance = Acceptance(
         nodes=path_nodes.to(torch.int32),  # [batch, path]
         tokens=path_tokens,  # [batch, path]
         length=length.to(torch.int32),  # [batch]
         bonus=bonus,  # [batch]
     )
+    if out is None:
+        return acceptance
+    clean = ~skip.any()  # all or nothing: a flagged request anywhere leaves out untouched
+    for name in ACCEPTANCE_FIELDS:
+        destination = getattr(out, name)
+        destination.copy_(torch.where(clean, getattr(acceptance, name), destination))
+    return out
 
 
 def commit_kv(
@@ -450,12 +460,13 @@ def commit_kv(
     acceptance: Acceptance,
     *,
     error_flags: torch.Tensor | None = None,
+    all_or_nothing: bool = False,
 ) -> None:
     """Reference ``commit_kv`` (see ``ddtree.kernels.commit_kv`` for the contract).
 
     Gathers every accepted source latent of every non-skipped request first, then scatters them
     to their destinations, so overlapping moves are safe. Flags are computed by
-    ``checks.commit_kv_flags``.
+    ``checks.commit_kv_flags``; with ``all_or_nothing`` one skipped request skips them all.
     """
     checks.check_commit_kv_args(
         kv_cache, block_table, prefix_lens, acceptance, error_flags=error_flags
@@ -464,6 +475,8 @@ def commit_kv(
     flags = checks.commit_kv_flags(block_table, prefix_lens, acceptance, num_pages, page_size)
     # flags: [batch]
     skip = checks.resolve_flags(flags, error_flags, checks.FLAG_MESSAGES["commit_kv"])  # [batch]
+    if all_or_nothing:
+        skip = skip | skip.any()  # [batch]
     path_len = acceptance.nodes.shape[1]
     slot = torch.arange(path_len, device=kv_cache.device)  # [path]
     moves = ~skip[:, None] & (slot < acceptance.length.long()[:, None])  # [batch, path]

@@ -435,8 +435,13 @@ def accept(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     error_flags: torch.Tensor | None = None,
+    out: Acceptance | None = None,
 ) -> Acceptance:
-    """CUDA ``accept``; see ``ddtree.kernels.accept`` for parameters and semantics."""
+    """CUDA ``accept``; see ``ddtree.kernels.accept`` for parameters and semantics.
+
+    Into ``out`` with ``error_flags``: a validating launch, then the walk, whose blocks write
+    nothing when any request of the batch is flagged (accept.cu, PHASE 1 then 2).
+    """
     checks.check_accept_args(
         tree,
         target_tokens,
@@ -444,6 +449,7 @@ def accept(
         temperature=temperature,
         generator=generator,
         error_flags=error_flags,
+        out=out,
     )
     if tree.draft_len > MAX_DRAFT_LEN:
         raise ValueError(f"tree.draft_len: expected at most {MAX_DRAFT_LEN}, got {tree.draft_len}")
@@ -470,41 +476,52 @@ def accept(
         )  # [1]
     mode = 0 if target_tokens is not None else (2 if temperature > 0 else 1)
     path_len = tree.draft_len + 1
-    nodes = torch.empty(batch_size, path_len, dtype=torch.int32, device=device)
-    tokens = torch.empty(batch_size, path_len, dtype=torch.int64, device=device)
-    length = torch.empty(batch_size, dtype=torch.int32, device=device)
-    bonus = torch.empty(batch_size, dtype=torch.int64, device=device)
+    result = (
+        out
+        if out is not None
+        else Acceptance(
+            nodes=torch.empty(batch_size, path_len, dtype=torch.int32, device=device),
+            tokens=torch.empty(batch_size, path_len, dtype=torch.int64, device=device),
+            length=torch.empty(batch_size, dtype=torch.int32, device=device),
+            bonus=torch.empty(batch_size, dtype=torch.int64, device=device),
+        )
+    )
     logits = target_logits if target_logits is not None else None
     code = _DTYPE_CODES[logits.dtype] if logits is not None else 0
     if logits is not None and not logits.is_contiguous():
         logits = logits.contiguous()
     vocab_size = logits.shape[2] if logits is not None else 0
     params = accept_launch_params(batch_size, reads_logits=logits is not None)
-    threads = params.block[0]
+    kernel = _accept_kernel(code, params.block[0], index)
+    # Flags already resolved on the host (no error_flags) leave nothing to gate on.
+    phases = (1, 2) if out is not None and error_flags is not None else (0,)
     with torch.cuda.device(index):
-        jit.launch(
-            _accept_kernel(code, threads, index),
-            params,
-            _ptr(tree.tokens),
-            _ptr(tree.parents),
-            _ptr(tree.depths),
-            _ptr(tree.num_nodes),
-            _ptr(target_tokens),
-            _ptr(logits),
-            _ptr(seed),
-            _ptr(flags),
-            _ptr(nodes),
-            _ptr(tokens),
-            _ptr(length),
-            _ptr(bonus),
-            _i32(num_nodes_max),
-            _i32(tree.draft_len),
-            _i32(vocab_size),
-            _i32(mode),
-            ctypes.c_float(temperature),
-            device=index,
-        )
-    return Acceptance(nodes=nodes, tokens=tokens, length=length, bonus=bonus)
+        for phase in phases:
+            jit.launch(
+                kernel,
+                params,
+                _ptr(tree.tokens),
+                _ptr(tree.parents),
+                _ptr(tree.depths),
+                _ptr(tree.num_nodes),
+                _ptr(target_tokens),
+                _ptr(logits),
+                _ptr(seed),
+                _ptr(flags),
+                _ptr(result.nodes),
+                _ptr(result.tokens),
+                _ptr(result.length),
+                _ptr(result.bonus),
+                _i32(num_nodes_max),
+                _i32(tree.draft_len),
+                _i32(vocab_size),
+                _i32(mode),
+                ctypes.c_float(temperature),
+                _i32(batch_size),
+                _i32(phase),
+                device=index,
+            )
+    return result
 
 
 @functools.cache
@@ -521,8 +538,14 @@ def commit_kv(
     acceptance: Acceptance,
     *,
     error_flags: torch.Tensor | None = None,
+    all_or_nothing: bool = False,
 ) -> None:
-    """CUDA ``commit_kv``; see ``ddtree.kernels.commit_kv`` for parameters and semantics."""
+    """CUDA ``commit_kv``; see ``ddtree.kernels.commit_kv`` for parameters and semantics.
+
+    All or nothing with ``error_flags``: a validating launch of one block per request, then
+    the moves, whose blocks move nothing when any request of the batch is flagged
+    (commit_kv.cu, PHASE 1 then 2).
+    """
     checks.check_commit_kv_args(
         kv_cache, block_table, prefix_lens, acceptance, error_flags=error_flags
     )
@@ -548,23 +571,34 @@ def commit_kv(
     else:
         flags = error_flags
     nodes = acceptance.nodes.contiguous()
+    table = block_table.contiguous()
+    lens = prefix_lens.contiguous()
+    length = acceptance.length.contiguous()
+    launches = [(params, 0)]
+    if all_or_nothing and error_flags is not None:
+        validate = jit.LaunchParams((batch_size, 1, 1), params.block, params.shared_mem_bytes)
+        launches = [(validate, 1), (params, 2)]
+    kernel = _commit_kernel(index)
     with torch.cuda.device(index):
-        jit.launch(
-            _commit_kernel(index),
-            params,
-            _ptr(kv_cache),
-            _ptr(block_table.contiguous()),
-            _ptr(prefix_lens.contiguous()),
-            _ptr(nodes),
-            _ptr(acceptance.length.contiguous()),
-            _ptr(flags),
-            _i32(num_pages),
-            _i32(page_size),
-            _i32(row_bytes // 16),
-            _i32(block_table.shape[1]),
-            _i32(path_len),
-            device=index,
-        )
+        for launch_params, phase in launches:
+            jit.launch(
+                kernel,
+                launch_params,
+                _ptr(kv_cache),
+                _ptr(table),
+                _ptr(lens),
+                _ptr(nodes),
+                _ptr(length),
+                _ptr(flags),
+                _i32(num_pages),
+                _i32(page_size),
+                _i32(row_bytes // 16),
+                _i32(table.shape[1]),
+                _i32(path_len),
+                _i32(batch_size),
+                _i32(phase),
+                device=index,
+            )
 
 
 @functools.cache

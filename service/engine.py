@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -330,7 +330,7 @@ class Engine:
         """Whether the whole device flag buffer is known to be zero (``_flag_buffers``)."""
         self._nodes_host: torch.Tensor | None = None
         """Pinned host buffer for the tree sizes of builds into caller memory (``_host_copy``)."""
-        self._graphs: LaunchGraphs[Tree] | None = (
+        self._graphs: LaunchGraphs[Any] | None = (
             LaunchGraphs() if self._stream is not None else None
         )
         """Captured builds into caller memory, replayed for the same buffers (CUDA only)."""
@@ -602,9 +602,11 @@ class Engine:
     ) -> Future[AcceptTreeResult]:
         """Walk the trees of ``call`` and optionally commit the KV cache in place.
 
-        The commit runs only when every request's walk succeeded. A request whose commit data is
-        bad (block table, prefix length) fails the call; requests before it may already be
-        compacted in a cache the engine shares with the caller.
+        All or nothing: the commit moves nothing unless every request's walk succeeded and every
+        request's commit data (block table, prefix length) holds; a bad request fails the call.
+        It follows the walk on the stream with no wait for the walk's verdict. Into caller
+        memory (``call.out``) the walk writes nothing either when a request fails, and a
+        repeated greedy call with the same buffers is replayed from CUDA graphs.
 
         Parameters
         ----------
@@ -842,6 +844,8 @@ class Engine:
         batch_size: int = 1,
         *,
         observe: bool = True,
+        continues: bool = False,
+        copy_flags: bool = True,
     ) -> tuple[_T, torch.Tensor]:
         """Launch one op with a fresh ``error_flags`` tensor; returns its result and host flags.
 
@@ -849,9 +853,12 @@ class Engine:
         for warm-up). On CUDA the flags come back by a non-blocking copy, valid once
         ``_check_flags`` has synchronised the stream; results the caller wants on the host can
         be queued for copying before that, so one synchronisation serves them all.
+        ``continues``: the op takes over the flags of the op launched just before it, with no
+        verdict between (they are not zeroed; a commit gated on the walk's flags).
+        ``copy_flags=False`` skips the host copy, for an op that another one ``continues``.
         """
         flags, host = self._flag_buffers(batch_size)
-        if not self._flags_are_zero:
+        if not self._flags_are_zero and not continues:
             # The whole buffer: a failed op may have flagged requests past this op's batch.
             whole = self._flags
             assert whole is not None  # made by _flag_buffers
@@ -871,7 +878,8 @@ class Engine:
             raise InvalidArgument(f"{_RPC_OF_OP[op]}: {err}") from err
         if host is None:
             return result, flags
-        host.copy_(flags, non_blocking=True)
+        if copy_flags:
+            host.copy_(flags, non_blocking=True)
         return result, host
 
     def _flag_buffers(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -921,7 +929,11 @@ class Engine:
         """
         if self._stream is not None:
             self._stream.synchronize()
-        values = flags.tolist()
+        self._raise_flagged(op, flags.tolist())
+
+    def _raise_flagged(self, op: str, values: list[int]) -> None:
+        """Raise for the first request of ``values`` (the read-back flags of ``op``) with a
+        flag set; note the buffer as zero when none is."""
         if not any(values):
             self._flags_are_zero = True  # see _flag_buffers
             return
@@ -1049,67 +1061,129 @@ class Engine:
         if call.temperature > 0:
             seed = call.seed if call.seed is not None else secrets.randbits(64)
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        acceptance, flags = self._launch_op(
-            "accept",
-            lambda f: kernels.accept(
+        args = call.kv_commit
+        commit = None if args is None else self._commit_args(args)
+        cache_in_place = commit is None or (args is not None and commit[0] is args.kv_cache)
+        out = call.out
+
+        def walk(flags: torch.Tensor) -> Acceptance:
+            # Into caller memory (``out``) all or nothing, as build_tree.
+            return kernels.accept(
                 tree,
                 tokens,
                 target_logits=logits,
                 temperature=call.temperature,
                 generator=generator,
-                error_flags=f,
+                error_flags=flags,
+                out=out,
                 backend=self.backend,
-            ),
-            tree.batch_size,
+            )
+
+        def move(flags: torch.Tensor, acceptance: Acceptance) -> None:
+            # Gated on the walk's flags: nothing moves unless every request walked and every
+            # request's commit data holds (all or nothing), so no verdict is awaited between.
+            assert commit is not None
+            kernels.commit_kv(
+                *commit, acceptance, error_flags=flags, all_or_nothing=True, backend=self.backend
+            )
+
+        graphs = self._graphs
+        batch_size = tree.batch_size
+        run_walk: Callable[[torch.Tensor], Acceptance] = walk
+        run_move: Callable[[torch.Tensor, Acceptance], None] = move
+        if (
+            graphs is not None
+            and out is not None
+            and generator is None  # a sampled walk draws a fresh seed per call
+            and cache_in_place
+        ):
+            # Outputs and cache in caller memory on CUDA: the same buffers as an earlier call
+            # replay its launches (``LaunchGraphs``), the walk and the commit one graph each.
+            walk_key, move_key = self._accept_keys(call, tree, tokens, logits, commit)
+            flags_ptr = self._flag_buffers(batch_size)[0].data_ptr()
+
+            def run_walk(flags: torch.Tensor) -> Acceptance:
+                acceptance: Acceptance = graphs.run((walk_key, flags_ptr), lambda: walk(flags))
+                return acceptance
+
+            def run_move(flags: torch.Tensor, acceptance: Acceptance) -> None:
+                graphs.run((move_key, flags_ptr), lambda: move(flags, acceptance))
+
+        acceptance, flags = self._launch_op(
+            "accept", run_walk, batch_size, copy_flags=commit is None
         )
-        op = "accept"
         kv_cache = None
-        if call.kv_commit is not None:
-            self._check_flags(op, flags)  # the commit runs only when every walk succeeded
-            op = "commit_kv"
-            kv_cache, flags = self._launch_commit_kv(call.kv_commit, acceptance, tree.batch_size)
-            if kv_cache is not call.kv_commit.kv_cache:
+        if commit is not None:
+            _, flags = self._launch_op(
+                "commit_kv", lambda f: run_move(f, acceptance), batch_size, continues=True
+            )
+            kv_cache = commit[0]
+            if not cache_in_place:
                 # Compacted in a device copy (the caller's cache was elsewhere): carry it back.
                 # A cache compacted in place (registered caller memory) is never copied.
                 kv_cache = self._result(kv_cache, call.result_device)
         result = acceptance
-        if call.out is None:
+        if out is None:
             result = self._acceptance_result(acceptance, call.result_device)
-        self._check_flags(op, flags)
+        self._check_accept_flags(flags)
         self._observer.observe_acceptance(
             acceptance.nodes, acceptance.length, tree.num_nodes, model=call.model
         )
-        if call.out is not None:
-            # Caller memory, written only after the verdict.
-            for name in ACCEPTANCE_FIELDS:
-                getattr(call.out, name).copy_(getattr(acceptance, name))
-            return AcceptTreeResult(acceptance=call.out, kv_cache=kv_cache)
         return AcceptTreeResult(acceptance=result, kv_cache=kv_cache)
 
-    def _launch_commit_kv(
-        self, args: KvCommitArgs, acceptance: Acceptance, batch_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Launch the KV commit; returns the compacted cache and the flags (``_launch_op``)."""
-        # The caller's cache is compacted in place when it already lives on this device; an
-        # inline (host) cache is compacted in a device copy that the result carries back.
+    def _commit_args(self, args: KvCommitArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(kv_cache, block_table, prefix_lens)`` on this device. The caller's cache is
+        compacted in place when it already lives here, contiguous; an inline (host) cache in a
+        device copy that the result carries back."""
         cache = args.kv_cache
         if cache.device != self.device or not cache.is_contiguous():
             cache = self._to_device(cache)
-        table = self._to_device(args.block_table)
-        lens = self._to_device(args.prefix_lens)
-        _, flags = self._launch_op(
-            "commit_kv",
-            lambda f: kernels.commit_kv(
-                cache,
-                table,
-                lens,
-                acceptance,
-                error_flags=f,
-                backend=self.backend,
-            ),
-            batch_size,
+        return cache, self._to_device(args.block_table), self._to_device(args.prefix_lens)
+
+    def _accept_keys(
+        self,
+        call: AcceptTreeCall,
+        tree: Tree,
+        tokens: torch.Tensor | None,
+        logits: torch.Tensor | None,
+        commit: tuple[torch.Tensor, ...] | None,
+    ) -> tuple[Any, ...]:
+        """The replay keys of the walk and of the commit of ``call`` (``LaunchGraphs``): every
+        argument of their kernels but the flags; kept in ``call.prepared`` when it has one."""
+        prepared = call.prepared
+        if prepared is not None and prepared.launch_key is not None:
+            return prepared.launch_key
+        assert call.out is not None  # replayed only into caller memory
+        out_tensors = tuple(_layout(getattr(call.out, n)) for n in ACCEPTANCE_FIELDS)
+        walk_key = (
+            "accept",
+            *(_layout(getattr(tree, n)) for n in TREE_FIELDS),
+            tree.draft_len,
+            call.temperature,
+            None if tokens is None else _layout(tokens),
+            None if logits is None else _layout(logits),
+            *out_tensors,
         )
-        return cache, flags
+        move_key = None
+        if commit is not None:
+            move_key = ("commit_kv", *(_layout(t) for t in commit), *out_tensors)
+        keys = (walk_key, move_key)
+        if prepared is not None:
+            prepared.launch_key = keys
+        return keys
+
+    def _check_accept_flags(self, flags: torch.Tensor) -> None:
+        """``_check_flags`` for AcceptTree: the walk's errors (tree, target tokens) first. After a
+        failed walk the commit still checks its data (nothing moves), and may flag paths the
+        walk never wrote: only the walk's bits are reported then."""
+        walk_bits = ErrorFlag.TREE | ErrorFlag.TOKEN
+        if self._stream is not None:
+            self._stream.synchronize()
+        values = flags.tolist()
+        walk = [value & walk_bits for value in values]
+        if any(walk):
+            self._raise_flagged("accept", walk)
+        self._raise_flagged("commit_kv", values)
 
     def _verify_attention(self, call: VerifyAttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         tree = self._tree_to_device(call.tree)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.kernels.reference import pack_mask
-from ddtree.kernels.types import Tree
+from ddtree.kernels.types import ACCEPTANCE_FIELDS, TREE_FIELDS, Acceptance, Tree
 
 __all__ = [
     "draft_logits",
@@ -233,15 +233,29 @@ def poisoned_tree(
     )
 
 
-def poison(tree: Tree) -> None:
-    """Fill every tensor of ``tree`` with ``POISON`` again, in place."""
-    for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask"):
-        getattr(tree, name).fill_(POISON)
-
-
-def is_poisoned(tree: Tree) -> bool:
-    """Whether every element of every tensor of ``tree`` still holds ``POISON``."""
-    return all(
-        bool((getattr(tree, name) == POISON).all())
-        for name in ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
+def poisoned_acceptance(
+    batch_size: int, path_len: int, *, device: str | torch.device = "cpu"
+) -> Acceptance:
+    """Destination tensors for an accept (``out=``) with every element ``POISON``."""
+    pair = (batch_size, path_len)
+    return Acceptance(
+        nodes=torch.full(pair, POISON, dtype=torch.int32, device=device),
+        tokens=torch.full(pair, POISON, dtype=torch.int64, device=device),
+        length=torch.full((batch_size,), POISON, dtype=torch.int32, device=device),
+        bonus=torch.full((batch_size,), POISON, dtype=torch.int64, device=device),
     )
+
+
+def _fields(value: Tree | Acceptance) -> tuple[str, ...]:
+    return TREE_FIELDS if isinstance(value, Tree) else ACCEPTANCE_FIELDS
+
+
+def poison(value: Tree | Acceptance) -> None:
+    """Fill every tensor of ``value`` with ``POISON`` again, in place."""
+    for name in _fields(value):
+        getattr(value, name).fill_(POISON)
+
+
+def is_poisoned(value: Tree | Acceptance) -> bool:
+    """Whether every element of every tensor of ``value`` still holds ``POISON``."""
+    return all(bool((getattr(value, name) == POISON).all()) for name in _fields(value))

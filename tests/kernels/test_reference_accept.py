@@ -7,7 +7,13 @@ import dataclasses
 import pytest
 import torch
 from helpers.assertions import assert_equal, assert_same_acceptance
-from helpers.generators import draft_logits, random_tree, target_tokens_for
+from helpers.generators import (
+    draft_logits,
+    is_poisoned,
+    poisoned_acceptance,
+    random_tree,
+    target_tokens_for,
+)
 from helpers.invariants import assert_acceptance_valid
 from helpers.oracles import gumbel_noise_scalar, scalar_accept
 
@@ -225,3 +231,66 @@ def test_accept_on_built_trees_follows_drafted_paths() -> None:
     for b in range(3):
         last = int(acceptance.nodes[b, int(acceptance.length[b]) - 1])
         assert not (tree.parents[b, : int(tree.num_nodes[b])] == last).any()
+
+
+def test_out_receives_the_acceptance_and_is_returned() -> None:
+    tree = random_tree(3, 24, 5, 6, shape="mixed", seed=4)
+    targets = target_tokens_for(tree, 6, follow=0.8, seed=4)
+    expected = reference.accept(tree, targets)
+    out = poisoned_acceptance(3, 6)
+    flags = torch.zeros(3, dtype=torch.int32)
+    assert reference.accept(tree, targets, error_flags=flags, out=out) is out
+    assert_same_acceptance(out, expected)
+
+
+@pytest.mark.parametrize("entry_flag", [False, True], ids=["bad-target", "flagged-on-entry"])
+def test_out_is_untouched_when_any_request_is_flagged(entry_flag: bool) -> None:
+    tree = random_tree(3, 16, 4, 6, shape="mixed", seed=5)
+    targets = target_tokens_for(tree, 6, follow=0.8, seed=5)
+    flags = torch.zeros(3, dtype=torch.int32)
+    if entry_flag:
+        flags[1] = int(ErrorFlag.LENGTH)
+    else:
+        targets[2, 0] = -1  # a negative target at the root
+    out = poisoned_acceptance(3, 5)
+    reference.accept(tree, targets, error_flags=flags, out=out)
+    assert is_poisoned(out)
+    assert flags.tolist() == (
+        [0, int(ErrorFlag.LENGTH), 0] if entry_flag else [0, 0, int(ErrorFlag.TOKEN)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda o: poisoned_acceptance(3, 4), r"out\.nodes: expected shape"),
+        (
+            lambda o: dataclasses.replace(o, bonus=o.bonus.to(torch.int32)),
+            r"out\.bonus: expected dtype",
+        ),
+        (
+            lambda o: dataclasses.replace(o, tokens=o.tokens.t().contiguous().t()),
+            r"out\.tokens: expected a contiguous tensor",
+        ),
+        (lambda o: "not an acceptance", r"out: expected a ddtree\.kernels\.Acceptance"),
+    ],
+    ids=["shape", "dtype", "contiguity", "type"],
+)
+def test_bad_out_is_refused_naming_the_field(change: object, match: str) -> None:
+    tree = random_tree(3, 16, 4, 6, shape="mixed", seed=6)
+    targets = target_tokens_for(tree, 6, follow=0.8, seed=6)
+    out = change(poisoned_acceptance(3, 5))  # type: ignore[operator]
+    with pytest.raises((ValueError, TypeError), match=match):
+        reference.accept(tree, targets, out=out)
+
+
+def test_out_overlapping_an_input_or_itself_is_refused() -> None:
+    tree = random_tree(2, 16, 4, 6, shape="mixed", seed=7)
+    targets = target_tokens_for(tree, 6, follow=0.8, seed=7)
+    out = poisoned_acceptance(2, 5)
+    inside = dataclasses.replace(out, tokens=targets.flatten()[:10].view(2, 5))
+    with pytest.raises(ValueError, match=r"overlaps"):
+        reference.accept(tree, targets, out=inside)
+    shared = dataclasses.replace(out, length=out.nodes.flatten()[:2])  # inside out.nodes
+    with pytest.raises(ValueError, match="overlaps"):
+        reference.accept(tree, targets, out=shared)

@@ -121,3 +121,31 @@ def test_bad_arguments_raise_naming_the_field(change: dict, pattern: str) -> Non
     arguments.update(change)
     with pytest.raises(ValueError, match=pattern):
         reference.commit_kv(acceptance=acceptance, **arguments)
+
+
+@pytest.mark.parametrize("entry_flag", [False, True], ids=["bad-table", "flagged-by-accept"])
+def test_all_or_nothing_moves_nothing_when_any_request_is_flagged(entry_flag: bool) -> None:
+    tree, acceptance = _accepted(3, 16, 4, seed=8)
+    assert int(acceptance.length.max()) > 1  # a clean batch would move latents
+    prefix_lens = torch.tensor([2, 4, 6], dtype=torch.int32)
+    cache, table = paged_cache(prefix_lens + tree.num_nodes, 4, 6, seed=2)
+    flags = torch.zeros(3, dtype=torch.int32)
+    if entry_flag:
+        flags[2] = int(ErrorFlag.TOKEN)
+    else:
+        table[1, :] = cache.shape[0]  # every page of request 1 out of range
+    before = cache.clone()
+    reference.commit_kv(
+        cache, table, prefix_lens, acceptance, error_flags=flags, all_or_nothing=True
+    )
+    assert_equal(cache, before, "kv_cache")
+    expected = [0, 0, int(ErrorFlag.TOKEN)] if entry_flag else [0, int(ErrorFlag.BLOCK_TABLE), 0]
+    assert flags.tolist() == expected
+    # A clean batch moves as without the option.
+    flags.zero_()
+    table, prefix = paged_cache(prefix_lens + tree.num_nodes, 4, 6, seed=2)[1], prefix_lens
+    expected_cache = cache.clone()
+    scalar_commit(expected_cache, table, prefix, acceptance)
+    reference.commit_kv(cache, table, prefix, acceptance, error_flags=flags, all_or_nothing=True)
+    assert_equal(cache, expected_cache, "kv_cache")
+    assert flags.tolist() == [0, 0, 0]

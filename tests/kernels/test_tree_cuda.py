@@ -14,6 +14,7 @@ from helpers.generators import (
     paged_cache,
     poison,
     poison_rows,
+    poisoned_acceptance,
     poisoned_tree,
     random_budgets,
     random_tree,
@@ -371,6 +372,132 @@ def test_commit_kv_flags_bad_block_table_and_path() -> None:
     assert_equal(cache, expected, "kv_cache")
     with pytest.raises(ValueError, match="block_table"):
         tree_cuda.commit_kv(cache, table, prefix, bad)
+
+
+@pytest.mark.parametrize("mode", ["tokens", "greedy-logits", "sampled-logits"])
+def test_accept_out_matches_reference(mode: str) -> None:
+    tree = _tree_to(random_tree(9, 65, 16, 300, shape="mixed", seed=40), "cuda")
+    targets = target_tokens_for(_tree_to(tree, "cpu"), 300, follow=0.8, seed=41).cuda()
+    kwargs: dict = {"target_tokens": targets}
+    if mode != "tokens":
+        logits = torch.randn(9, 65, 300, generator=torch.Generator().manual_seed(42)).cuda()
+        logits.scatter_add_(2, targets[..., None], torch.full_like(logits[..., :1], 6.0))
+        kwargs = {"target_logits": logits, "temperature": 0.7 if mode == "sampled-logits" else 0.0}
+
+    def run(implementation, out=None, flags=None):
+        generator = torch.Generator("cuda").manual_seed(3)
+        return implementation.accept(
+            tree, generator=generator, error_flags=flags, out=out, **kwargs
+        )
+
+    expected = run(reference)
+    out = poisoned_acceptance(9, 17, device="cuda")
+    flags = torch.zeros(9, dtype=torch.int32, device="cuda")
+    assert run(tree_cuda, out, flags) is out
+    assert_same_acceptance(out, expected)
+    assert not bool(flags.any())
+    poison(out)
+    assert run(tree_cuda, out) is out  # without error_flags: checked on the host, then written
+    assert_same_acceptance(out, expected)
+    assert int(expected.length.max()) > 2
+
+
+@pytest.mark.parametrize("entry_flag", [False, True], ids=["bad-tree", "flagged-on-entry"])
+@pytest.mark.parametrize("batch_size", [2, 300])
+def test_accept_out_is_untouched_when_any_request_is_flagged(
+    entry_flag: bool, batch_size: int
+) -> None:
+    tree = _tree_to(random_tree(batch_size, 17, 4, 40, shape="mixed", seed=43), "cuda")
+    targets = target_tokens_for(_tree_to(tree, "cpu"), 40, follow=0.8, seed=44).cuda()
+    flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
+    bad = tree
+    if entry_flag:
+        flags[-1] = int(ErrorFlag.LENGTH)
+    else:
+        num_nodes = tree.num_nodes.clone()
+        num_nodes[-1] = 99  # more nodes than slots
+        bad = dataclasses.replace(tree, num_nodes=num_nodes)
+    want_flags = flags.clone()
+    reference.accept(bad, targets, error_flags=want_flags)
+    out = poisoned_acceptance(batch_size, 5, device="cuda")
+    tree_cuda.accept(bad, targets, error_flags=flags, out=out)
+    assert_equal(flags, want_flags, "error_flags")
+    assert is_poisoned(out)
+    flags.zero_()
+    tree_cuda.accept(tree, targets, error_flags=flags, out=out)  # clean: written
+    assert_same_acceptance(out, reference.accept(tree, targets))
+
+
+@pytest.mark.parametrize("entry_flag", [False, True], ids=["bad-table", "flagged-by-accept"])
+def test_commit_kv_all_or_nothing(entry_flag: bool) -> None:
+    cache, table, prefix, acceptance = _commit_case(16, 576, seed=6)
+    assert int(acceptance.length.max()) > 1
+    flags = torch.zeros(5, dtype=torch.int32, device="cuda")
+    if entry_flag:
+        flags[4] = int(ErrorFlag.TOKEN)
+    else:
+        table[3, :] = 10_000  # every page of request 3 out of range
+    want_flags = flags.clone()
+    expected = cache.clone()
+    reference.commit_kv(
+        expected, table, prefix, acceptance, error_flags=want_flags, all_or_nothing=True
+    )
+    before = cache.clone()
+    tree_cuda.commit_kv(cache, table, prefix, acceptance, error_flags=flags, all_or_nothing=True)
+    assert_equal(flags, want_flags, "error_flags")
+    assert_equal(cache, before, "kv_cache")
+    assert_equal(expected, before, "reference kv_cache")
+    clean_table = _commit_case(16, 576, seed=6)[1]
+    flags.zero_()
+    reference.commit_kv(expected, clean_table, prefix, acceptance)
+    tree_cuda.commit_kv(
+        cache, clean_table, prefix, acceptance, error_flags=flags, all_or_nothing=True
+    )
+    assert_equal(cache, expected, "kv_cache")
+    assert not bool(flags.any())
+
+
+def test_accept_out_and_gated_commit_are_captured_in_a_cuda_graph() -> None:
+    """The server's AcceptTree into caller memory: accept into ``out`` and the commit after it,
+    replayed with no host sync between them; a bad request anywhere leaves both untouched."""
+    tree = _tree_to(random_tree(5, 33, 8, 40, shape="mixed", seed=45), "cuda")
+    targets = target_tokens_for(_tree_to(tree, "cpu"), 40, follow=0.9, seed=46).cuda()
+    prefix = torch.tensor([0, 5, 17, 1, 64], dtype=torch.int32, device="cuda")
+    cache, table = paged_cache(prefix.cpu() + 33, 16, 576, seed=47)
+    cache, table = cache.cuda(), table.cuda()
+    flags = torch.zeros(5, dtype=torch.int32, device="cuda")
+    out = poisoned_acceptance(5, 9, device="cuda")
+
+    def step() -> None:
+        tree_cuda.accept(tree, targets, error_flags=flags, out=out)
+        tree_cuda.commit_kv(cache, table, prefix, out, error_flags=flags, all_or_nothing=True)
+
+    original = cache.clone()
+    step()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    cache.copy_(original)
+    poison(out)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = reference.accept(tree, targets)
+    assert_same_acceptance(out, expected)
+    want = original.clone()
+    reference.commit_kv(want, table, prefix, expected)
+    assert_equal(cache, want, "kv_cache after replay")
+    cache.copy_(original)
+    poison(out)
+    targets[2, 0] = -1  # a bad request: nothing written, nothing moved
+    graph.replay()
+    torch.cuda.synchronize()
+    assert is_poisoned(out)
+    assert_equal(cache, original, "kv_cache")
+    assert flags.tolist() == [0, 0, int(ErrorFlag.TOKEN), 0, 0]
 
 
 def test_chain_is_captured_in_a_cuda_graph() -> None:

@@ -13,11 +13,21 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers.generators import draft_logits, is_poisoned, poison, poisoned_tree
+from helpers.assertions import assert_same_acceptance
+from helpers.generators import (
+    draft_logits,
+    is_poisoned,
+    paged_cache,
+    poison,
+    poisoned_acceptance,
+    poisoned_tree,
+    random_tree,
+    target_tokens_for,
+)
 
 from ddtree import kernels
-from ddtree.kernels.types import Tree
-from ddtree.service.calls import BuildTreeCall, Prepared
+from ddtree.kernels.types import TREE_FIELDS, Tree
+from ddtree.service.calls import AcceptTreeCall, BuildTreeCall, KvCommitArgs, Prepared
 from ddtree.service.engine import Engine
 from ddtree.service.errors import InvalidToken
 from ddtree.service.replay import LaunchGraphs
@@ -129,3 +139,42 @@ def test_other_buffers_or_arguments_are_not_replayed(engine: Engine) -> None:
         )
         _assert_same(out, expected)
     assert _graphs(engine).replays == replays
+
+
+def test_repeated_accepts_with_a_commit_are_replayed_all_or_nothing(engine: Engine) -> None:
+    """AcceptTree into caller memory with the cache compacted in place: the walk and the commit
+    are replayed (one graph each) with fresh targets, equal to the reference every step; a bad
+    request leaves ``out`` and the cache untouched."""
+    cpu_tree = random_tree(BATCH, 33, 8, 500, shape="mixed", seed=50)
+    tree = Tree(**{n: getattr(cpu_tree, n).cuda() for n in TREE_FIELDS}, draft_len=8)
+    targets = torch.empty(BATCH, 33, dtype=torch.int64, device="cuda")
+    prefix = torch.arange(BATCH, dtype=torch.int32, device="cuda") * 3
+    cache, table = paged_cache(prefix.cpu() + 33, 16, 576, seed=51)
+    cache, table = cache.cuda(), table.cuda()
+    out = poisoned_acceptance(BATCH, 9, device="cuda")
+    call = AcceptTreeCall(
+        tree=tree,
+        target_tokens=targets,
+        kv_commit=KvCommitArgs(cache, table, prefix),
+        out=out,
+        prepared=Prepared(),
+    )
+    for step in range(5):  # eager, captured, then replayed
+        targets.copy_(target_tokens_for(cpu_tree, 500, follow=0.9, seed=60 + step))
+        before = cache.clone()
+        poison(out)
+        result = engine.accept_tree(replace(call), inline=True).result(timeout=60)
+        assert result.acceptance is out and result.kv_cache is cache
+        expected = kernels.accept(tree, targets, backend="reference")
+        assert_same_acceptance(out, expected)
+        kernels.commit_kv(before, table, prefix, expected, backend="reference")
+        assert torch.equal(cache, before)
+    assert _graphs(engine).replays == 2 * 4  # the walk and the commit, steps 1..4
+    targets[3, 0] = -1
+    before = cache.clone()
+    poison(out)
+    with pytest.raises(InvalidToken, match=r"target_tokens\[3\]"):
+        engine.accept_tree(replace(call), inline=True).result(timeout=60)
+    assert is_poisoned(out)
+    assert torch.equal(cache, before)
+    assert _graphs(engine).replays == 2 * 5
