@@ -399,7 +399,7 @@ def test_accept_out_matches_reference(mode: str) -> None:
     poison(out)
     assert run(tree_cuda, out) is out  # without error_flags: checked on the host, then written
     assert_same_acceptance(out, expected)
-    assert int(expected.length.max()) > 2
+    assert int(expected.length.max()) > 1  # some walk left the root
 
 
 @pytest.mark.parametrize("entry_flag", [False, True], ids=["bad-tree", "flagged-on-entry"])
@@ -497,7 +497,11 @@ def test_accept_out_and_gated_commit_are_captured_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     assert is_poisoned(out)
     assert_equal(cache, original, "kv_cache")
-    assert flags.tolist() == [0, 0, int(ErrorFlag.TOKEN), 0, 0]
+    # The walk flags request 2; the commit, checking the paths the walk never wrote, may flag
+    # malformed paths (ACCEPTANCE) but moves nothing.
+    walk_bits = int(ErrorFlag.TREE | ErrorFlag.TOKEN)
+    assert [v & walk_bits for v in flags.tolist()] == [0, 0, int(ErrorFlag.TOKEN), 0, 0]
+    assert all(v & ~walk_bits in (0, int(ErrorFlag.ACCEPTANCE)) for v in flags.tolist())
 
 
 def test_chain_is_captured_in_a_cuda_graph() -> None:
