@@ -996,7 +996,11 @@ class Engine:
             return result
         # Outputs in caller memory on CUDA: the same buffers as an earlier call replay its
         # launches (``LaunchGraphs``); the key names every argument of the kernels.
-        prepared = call.prepared
+        # A key naming only the call's own tensors is the same for every reuse of the call;
+        # one naming a device copy made for this call (an inline tensor) is not.
+        prepared = None
+        if logits is call.draft_logits and roots is call.root_tokens:
+            prepared = call.prepared
         launch_key = None if prepared is None else prepared.launch_key
         if launch_key is None:
             tensors = (logits, roots, *(getattr(out, n) for n in TREE_FIELDS))
@@ -1149,8 +1153,20 @@ class Engine:
         commit: tuple[torch.Tensor, ...] | None,
     ) -> tuple[Any, ...]:
         """The replay keys of the walk and of the commit of ``call`` (``LaunchGraphs``): every
-        argument of their kernels but the flags; kept in ``call.prepared`` when it has one."""
-        prepared = call.prepared
+        argument of their kernels but the flags; kept in ``call.prepared`` when it has one and
+        they name only the call's own tensors (no device copy made for this call)."""
+        own = (
+            tree is call.tree
+            and tokens is call.target_tokens
+            and logits is call.target_logits
+            and (
+                commit is None
+                or call.kv_commit is not None
+                and commit[1] is call.kv_commit.block_table
+                and commit[2] is call.kv_commit.prefix_lens
+            )
+        )
+        prepared = call.prepared if own else None
         if prepared is not None and prepared.launch_key is not None:
             return prepared.launch_key
         assert call.out is not None  # replayed only into caller memory

@@ -93,6 +93,26 @@ def test_a_reused_call_keeps_its_replay_key(engine: Engine) -> None:
     assert _graphs(engine).replays == 3 and len(_graphs(engine)) == 1  # steps 1 (capture), 2, 3
 
 
+def test_a_reused_call_with_an_inline_tensor_is_keyed_per_call(engine: Engine) -> None:
+    # Inline roots (a host tensor of the decoded call) are copied to the device per call, maybe
+    # to another address each time: the key must name this call's copy, never a kept one.
+    logits = draft_logits(BATCH, DRAFT_LEN, VOCAB, seed=20, dtype=torch.bfloat16, device="cuda")
+    roots = torch.randint(0, VOCAB, (BATCH,), generator=torch.Generator().manual_seed(20))
+    out = poisoned_tree(BATCH, 17, DRAFT_LEN, device="cuda")
+    kept = BuildTreeCall(
+        draft_logits=logits, root_tokens=roots, budget=16, out=out, prepared=Prepared()
+    )
+    expected = kernels.build_tree(logits, roots.cuda(), 16, backend="reference")
+    held = []
+    for _ in range(4):
+        poison(out)
+        engine.build_tree(replace(kept, deadline_s=None), inline=True).result(timeout=60)
+        _assert_same(out, expected)
+        # Take the block the roots were copied to, so the next copy lands elsewhere.
+        held.append(torch.full((BATCH,), VOCAB + 7, dtype=torch.int64, device="cuda"))
+    assert kept.prepared is not None and kept.prepared.launch_key is None
+
+
 def test_a_bad_root_in_a_replay_leaves_caller_memory_untouched(engine: Engine) -> None:
     logits = draft_logits(BATCH, DRAFT_LEN, VOCAB, seed=3, dtype=torch.bfloat16, device="cuda")
     roots = torch.randint(0, VOCAB, (BATCH,), device="cuda")
