@@ -297,10 +297,7 @@ def build_tree(
     )
     if out is None:
         return tree
-    clean = ~skip.any()  # all or nothing: a flagged request anywhere leaves out untouched
-    for name in TREE_FIELDS:
-        destination = getattr(out, name)
-        destination.copy_(torch.where(clean, getattr(tree, name), destination))
+    _write_if_clean(out, tree, TREE_FIELDS, skip)
     return out
 
 
@@ -446,11 +443,19 @@ def accept(
     )
     if out is None:
         return acceptance
-    clean = ~skip.any()  # all or nothing: a flagged request anywhere leaves out untouched
-    for name in ACCEPTANCE_FIELDS:
-        destination = getattr(out, name)
-        destination.copy_(torch.where(clean, getattr(acceptance, name), destination))
+    _write_if_clean(out, acceptance, ACCEPTANCE_FIELDS, skip)
     return out
+
+
+def _write_if_clean(
+    out: Tree | Acceptance, result: Tree | Acceptance, names: tuple[str, ...], skip: torch.Tensor
+) -> None:
+    """Copy the fields ``names`` of ``result`` into ``out``, all or nothing: a flagged request
+    anywhere in ``skip`` (``[batch]`` bool) leaves every destination untouched."""
+    clean = ~skip.any()  # [] bool
+    for name in names:
+        destination = getattr(out, name)
+        destination.copy_(torch.where(clean, getattr(result, name), destination))
 
 
 def commit_kv(

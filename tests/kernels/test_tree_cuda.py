@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from ddtree.kernels.types import Acceptance, Tree
 
 pytestmark = pytest.mark.gpu
 
+_R = TypeVar("_R")
 _DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -43,6 +46,20 @@ def _tree_to(tree: Tree, device: str) -> Tree:
         if isinstance(getattr(tree, f.name), torch.Tensor)
     }
     return dataclasses.replace(tree, **fields)
+
+
+def _capture(step: Callable[[], _R]) -> tuple[torch.cuda.CUDAGraph, _R]:
+    """Run ``step`` once (compile and warm up outside the capture), then capture it into a
+    CUDA graph on a side stream; returns the graph and what the captured ``step`` returned."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        result = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, result
 
 
 def _assert_same_tree(actual: Tree, expected: Tree, *, exact_order: bool) -> None:
@@ -243,14 +260,9 @@ def test_build_tree_out_is_captured_in_a_cuda_graph() -> None:
     roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
     flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
     out = poisoned_tree(batch_size, budget + 1, draft_len, device="cuda")
-    tree_cuda.build_tree(logits, roots, budget, error_flags=flags, out=out)  # warm up
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        tree_cuda.build_tree(logits, roots, budget, error_flags=flags, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, _ = _capture(
+        lambda: tree_cuda.build_tree(logits, roots, budget, error_flags=flags, out=out)
+    )
     for seed in (32, 33):
         logits.copy_(
             draft_logits(batch_size, draft_len, vocab_size, seed=seed, dtype=torch.bfloat16)
@@ -473,14 +485,7 @@ def test_accept_out_and_gated_commit_are_captured_in_a_cuda_graph() -> None:
         tree_cuda.commit_kv(cache, table, prefix, out, error_flags=flags, all_or_nothing=True)
 
     original = cache.clone()
-    step()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, _ = _capture(step)
     cache.copy_(original)
     poison(out)
     graph.replay()
@@ -533,14 +538,7 @@ def test_chain_is_captured_in_a_cuda_graph() -> None:
         tree_cuda.commit_kv(cache, table, prefix, acc, error_flags=flags)
         return tree, acc
 
-    step()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        tree, acc = step()
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, (tree, acc) = _capture(step)
     before = cache.clone()
     graph.replay()
     torch.cuda.synchronize()
