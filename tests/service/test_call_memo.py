@@ -7,6 +7,7 @@ again on every reuse, and must never outlive the registration it was decoded aga
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -42,6 +43,22 @@ def register(table: RegionTable, mapper: HostMapper, owner: str = "unix") -> str
     return token
 
 
+class Region(NamedTuple):
+    """A host-memory region registered by the default caller ("unix"), and its resolver."""
+
+    mapper: HostMapper
+    resolver: convert.TensorResolver
+    table: RegionTable
+    token: str
+
+
+@pytest.fixture
+def region() -> Region:
+    mapper = HostMapper()
+    resolver, table = make_resolver(mapper)
+    return Region(mapper, resolver, table, register(table, mapper))
+
+
 def request(token: str, budget: int = 4, inline_roots: bool = False) -> pb.BuildTreeRequest:
     logits = tensor_pb2.Tensor(
         dtype=tensor_pb2.DTYPE_FLOAT32,
@@ -60,10 +77,8 @@ def decode(memo: DecodedCalls, message: pb.BuildTreeRequest, resolver: convert.T
     return memo.decode(convert.build_tree_call, message, resolver, deadline_s=12.5)
 
 
-def test_the_same_bytes_reuse_the_decoded_call_with_fresh_leases() -> None:
-    mapper = HostMapper()
-    resolver, table = make_resolver(mapper)
-    token = register(table, mapper)
+def test_the_same_bytes_reuse_the_decoded_call_with_fresh_leases(region: Region) -> None:
+    mapper, resolver, table, token = region
     memo = DecodedCalls()
     first: BuildTreeCall = decode(memo, request(token), resolver)
     second: BuildTreeCall = decode(memo, request(token), resolver)
@@ -82,10 +97,8 @@ def test_the_same_bytes_reuse_the_decoded_call_with_fresh_leases() -> None:
     assert len(mapper.closed) == 1
 
 
-def test_an_unregistered_token_is_refused_not_reused() -> None:
-    mapper = HostMapper()
-    resolver, table = make_resolver(mapper)
-    token = register(table, mapper)
+def test_an_unregistered_token_is_refused_not_reused(region: Region) -> None:
+    mapper, resolver, table, token = region
     memo = DecodedCalls()
     decode(memo, request(token), resolver).leases.release()  # type: ignore[union-attr]
     table.unregister(token, "unix")
@@ -124,10 +137,8 @@ def test_calls_without_references_are_not_kept() -> None:
     assert memo.hits == 0
 
 
-def test_the_least_recently_used_call_is_dropped_past_capacity() -> None:
-    mapper = HostMapper()
-    resolver, table = make_resolver(mapper)
-    token = register(table, mapper)
+def test_the_least_recently_used_call_is_dropped_past_capacity(region: Region) -> None:
+    resolver, token = region.resolver, region.token
     memo = DecodedCalls(capacity=2)
     for budget in (3, 4, 5, 4, 3):
         decode(memo, request(token, budget=budget), resolver)
@@ -135,10 +146,8 @@ def test_the_least_recently_used_call_is_dropped_past_capacity() -> None:
     assert memo.hits == 1
 
 
-def test_the_copies_of_a_kept_call_share_one_prepared() -> None:
-    mapper = HostMapper()
-    resolver, table = make_resolver(mapper)
-    token = register(table, mapper)
+def test_the_copies_of_a_kept_call_share_one_prepared(region: Region) -> None:
+    resolver, token = region.resolver, region.token
     memo = DecodedCalls()
     first: BuildTreeCall = decode(memo, request(token), resolver)
     second: BuildTreeCall = decode(memo, request(token), resolver)
@@ -152,10 +161,8 @@ def test_the_copies_of_a_kept_call_share_one_prepared() -> None:
         call.leases.release()  # type: ignore[union-attr]
 
 
-def test_the_engine_validates_a_reused_call_once_per_limits() -> None:
-    mapper = HostMapper()
-    resolver, table = make_resolver(mapper)
-    token = register(table, mapper)
+def test_the_engine_validates_a_reused_call_once_per_limits(region: Region) -> None:
+    resolver, token = region.resolver, region.token
     memo = DecodedCalls()
     first: BuildTreeCall = decode(memo, request(token), resolver)
     second: BuildTreeCall = decode(memo, request(token), resolver)
