@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.invariants import has_near_ties
-from helpers.ipc import ServerProcess
+from helpers.ipc import ServerProcess, serving
 
 from ddtree import kernels
 from ddtree.clients import Client, KvCommit
@@ -75,13 +75,9 @@ def metrics_port() -> int:
 def server(
     tmp_path_factory: pytest.TempPathFactory, cache_dir: Path, metrics_port: int
 ) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        tmp_path_factory.mktemp("main") / "ddtree.sock", "--metrics-port", str(metrics_port)
-    )
-    try:
-        yield process.wait_serving()
-    finally:
-        process.stop()
+    socket = tmp_path_factory.mktemp("main") / "ddtree.sock"
+    with serving(socket, "--metrics-port", str(metrics_port)) as process:
+        yield process
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.ipc import ServerProcess
+from helpers.ipc import ServerProcess, serving
 
 from ddtree.clients import Client
 from ddtree.clients.cuda import query_buffer_id
@@ -31,11 +31,8 @@ SEGMENT_BYTES = 32 << 20  # torch gives requests of 10 MiB and more a cudaMalloc
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(tmp_path_factory.mktemp("out") / "ddtree.sock")
-    try:
-        yield process.wait_serving()
-    finally:
-        process.stop()
+    with serving(tmp_path_factory.mktemp("out") / "ddtree.sock") as process:
+        yield process
 
 
 def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

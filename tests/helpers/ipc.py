@@ -9,9 +9,11 @@ in its own process, as in production, for the GPU tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +128,14 @@ class ServerProcess:
         self.log.join()
         if self.process.stderr is not None:
             self.process.stderr.close()
+
+
+@contextlib.contextmanager
+def serving(socket: Path, *args: str) -> Iterator[ServerProcess]:
+    """A ``ServerProcess`` on ``socket`` (``args``: extra ``serve`` flags) that is serving,
+    stopped when the block ends, also when it fails."""
+    process = ServerProcess(socket, *args)
+    try:
+        yield process.wait_serving()
+    finally:
+        process.stop()

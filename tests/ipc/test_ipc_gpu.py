@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 from google.rpc import error_details_pb2, status_pb2
-from helpers.ipc import ServerProcess
+from helpers.ipc import ServerProcess, serving
 from helpers.serving import LogWatcher
 
 from ddtree.clients import Client, KvCommit, RetryPolicy
@@ -50,11 +50,8 @@ SLEEP_CYCLES = 1_500_000_000  # about 0.75 s of one SM at H200 clocks
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(tmp_path_factory.mktemp("main") / "ddtree.sock")
-    try:
-        yield process.wait_serving()
-    finally:
-        process.stop()
+    with serving(tmp_path_factory.mktemp("main") / "ddtree.sock") as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +59,14 @@ def small_server(
     tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
 ) -> Iterator[ServerProcess]:
     """Three regions at most, and regions expire after one idle second."""
-    process = ServerProcess(
+    with serving(
         tmp_path_factory.mktemp("small") / "ddtree.sock",
         "--max-registered-regions",
         "3",
         "--memory-idle-timeout-s",
         "1",
-    )
-    try:
-        yield process.wait_serving()
-    finally:
-        process.stop()
+    ) as process:
+        yield process
 
 
 @pytest.fixture
