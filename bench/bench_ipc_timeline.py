@@ -25,7 +25,10 @@ a microsecond per stamped function. On a GPU: BuildTree and AcceptTree at batch 
 with static ones (``out=``). With ``--cpu``: the reference backend, batch 1, vocab 1024, budget 8,
 tensors inline. Writes ``bench/results/<date>-<device>-ipc-timeline.json`` (or ``--out``).
 
-Usage: ``python bench/bench_ipc_timeline.py [--cpu] [--calls N] [--out PATH]``.
+``--cpus SERVER/CALLER`` (e.g. ``2,3/4``) pins the server process and this one to those CPUs, as
+a deployment that gives both exclusive cores would (Kubernetes' static CPU manager policy).
+
+Usage: ``python bench/bench_ipc_timeline.py [--cpu] [--calls N] [--cpus S/C] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -140,8 +143,11 @@ class _CallerStamps:
 
 
 @contextlib.contextmanager
-def _server(socket_path: str, device: str, out: str) -> Iterator[subprocess.Popen[str]]:
-    """``ddtree serve`` with its stamps, serving on ``socket_path`` for the ``with`` block."""
+def _server(
+    socket_path: str, device: str, out: str, cpus: set[int] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """``ddtree serve`` with its stamps, serving on ``socket_path`` for the ``with`` block
+    (on ``cpus`` when given: every thread it starts inherits them)."""
     script = Path(socket_path).with_name("serve_timeline.py")
     script.write_text(_LAUNCHER)
     command = [sys.executable, str(script), "serve", "--listen", f"unix:{socket_path}"]
@@ -150,6 +156,7 @@ def _server(socket_path: str, device: str, out: str) -> Iterator[subprocess.Pope
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "DDTREE_TIMELINE_OUT": out},
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
     assert process.stderr is not None
     log = process.stderr
@@ -233,12 +240,34 @@ def _timeline(
     return {key: round(statistics.median(r[key] for r in rows) / 1e3, 1) for key in rows[0]}
 
 
+def _placement(text: str) -> tuple[set[int], set[int]]:
+    """``"2,3/4"`` -> ``({2, 3}, {4})``: the server's CPUs, then the caller's."""
+    server, _, caller = text.partition("/")
+    try:
+        return {int(c) for c in server.split(",")}, {int(c) for c in caller.split(",")}
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected SERVER/CALLER CPU lists such as 2,3/4: {err}"
+        ) from err
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="reference backend, inline tensors")
     parser.add_argument("--calls", type=int, default=400, help="calls per kind")
+    parser.add_argument(
+        "--cpus",
+        type=_placement,
+        default=None,
+        metavar="S/C",
+        help="CPUs of the server and of the caller, e.g. 2,3/4",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    server_cpus = caller_cpus = None
+    if args.cpus is not None:
+        server_cpus, caller_cpus = args.cpus
+        os.sched_setaffinity(0, caller_cpus)  # before gRPC starts its threads
     device = "cpu" if args.cpu else "cuda:0"
     if args.cpu:
         generator = torch.Generator().manual_seed(0)
@@ -260,6 +289,9 @@ def main(argv: list[str] | None = None) -> None:
         "transport": transport,
         "shape": {"batch_size": logits.shape[0], "vocab_size": logits.shape[2], "budget": budget},
         "calls": args.calls,
+        "cpus": None
+        if args.cpus is None
+        else {"server": sorted(server_cpus), "caller": sorted(caller_cpus)},
         "unit": "us (medians)",
         "kinds": {},
     }
@@ -267,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         socket_path = f"{tmp}/timeline.sock"
         stamps_path = f"{tmp}/stamps.json"
         with (
-            _server(socket_path, device, stamps_path) as server,
+            _server(socket_path, device, stamps_path, server_cpus) as server,
             _CallerStamps() as caller,
             Client(f"unix:{socket_path}", tensor_transport=transport) as client,
         ):

@@ -130,12 +130,14 @@ def client_identity(context: grpc.aio.ServicerContext) -> str:
 
 
 def _identity_of(context: grpc.aio.ServicerContext) -> str:
+    peer: str = context.peer()
+    if peer.startswith("unix"):  # "unix:" or "unix-abstract:"; ``bind`` serves them plain
+        return "unix"
     auth: dict[str, list[bytes]] = context.auth_context()
     for key in ("x509_subject", "x509_common_name"):
         values = auth.get(key)
         if values:
             return "x509:" + values[0].decode("utf-8", "replace")
-    peer: str = context.peer()
     if peer.startswith(("ipv4:", "ipv6:")):
         host = peer[len("ipv4:") :].rpartition(":")[0]
         return "ip:" + host.strip("[]")

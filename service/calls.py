@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -76,29 +77,33 @@ class CallLimits:
 
 
 class Prepared:
-    """What the engine worked out once for a decoded call that is sent again.
+    """What the engine and the servicer worked out once for a decoded call that is sent again.
 
     The servicer keeps decoded by-reference calls (``DecodedCalls``) and hands out copies of one
     with a fresh deadline and fresh leases for every request that repeats it byte for byte.
     Every copy shares this object (``dataclasses.replace`` copies the reference), and nothing
     else does: its tensors are the same views of the same caller memory and its scalars are the
-    same, so what the engine derived from them holds for every copy.
+    same, so what was derived from them holds for every copy.
 
     Attributes
     ----------
     validated_for : CallLimits or None
         The limits the call passed ``validate_*`` under (the engine's own, compared by
         identity); ``None`` until it has.
-    launch_key : tuple or None
+    launch_key : Hashable or None
         The engine's replay key of the call's launches (see ``service.replay``), ``None`` until
         computed.
+    reply : object or None
+        The servicer's response to a call whose results go into caller memory: it names only
+        the destinations, so it is the same for every copy. ``None`` until first sent.
     """
 
-    __slots__ = ("launch_key", "validated_for")
+    __slots__ = ("launch_key", "reply", "validated_for")
 
     def __init__(self) -> None:
         self.validated_for: CallLimits | None = None
-        self.launch_key: tuple[Any, ...] | None = None
+        self.launch_key: Hashable | None = None
+        self.reply: object | None = None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -82,7 +82,7 @@ from ddtree.service.memory import (
     RegionInfo,
     RegionTable,
 )
-from ddtree.service.replay import LaunchGraphs
+from ddtree.service.replay import LaunchGraphs, LaunchKey
 
 __all__ = ["DeviceInfo", "Engine", "EngineInfo", "EngineObserver"]
 
@@ -1004,7 +1004,7 @@ class Engine:
         launch_key = None if prepared is None else prepared.launch_key
         if launch_key is None:
             tensors = (logits, roots, *(getattr(out, n) for n in TREE_FIELDS))
-            launch_key = (
+            launch_key = LaunchKey(
                 "build_tree",
                 *(_layout(t) for t in tensors),
                 budget,
@@ -1151,7 +1151,7 @@ class Engine:
         tokens: torch.Tensor | None,
         logits: torch.Tensor | None,
         commit: tuple[torch.Tensor, ...] | None,
-    ) -> tuple[Any, ...]:
+    ) -> tuple[LaunchKey, LaunchKey | None]:
         """The replay keys of the walk and of the commit of ``call`` (``LaunchGraphs``): every
         argument of their kernels but the flags; kept in ``call.prepared`` when it has one and
         they name only the call's own tensors (no device copy made for this call)."""
@@ -1168,10 +1168,10 @@ class Engine:
         )
         prepared = call.prepared if own else None
         if prepared is not None and prepared.launch_key is not None:
-            return prepared.launch_key
+            return cast(tuple[LaunchKey, LaunchKey | None], prepared.launch_key)  # stored below
         assert call.out is not None  # replayed only into caller memory
         out_tensors = tuple(_layout(getattr(call.out, n)) for n in ACCEPTANCE_FIELDS)
-        walk_key = (
+        walk_key = LaunchKey(
             "accept",
             *(_layout(getattr(tree, n)) for n in TREE_FIELDS),
             tree.draft_len,
@@ -1182,7 +1182,7 @@ class Engine:
         )
         move_key = None
         if commit is not None:
-            move_key = ("commit_kv", *(_layout(t) for t in commit), *out_tensors)
+            move_key = LaunchKey("commit_kv", *(_layout(t) for t in commit), *out_tensors)
         keys = (walk_key, move_key)
         if prepared is not None:
             prepared.launch_key = keys

@@ -23,11 +23,45 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-__all__ = ["Graph", "LaunchGraphs"]
+__all__ = ["Graph", "LaunchGraphs", "LaunchKey"]
 
 _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+class LaunchKey:
+    """A key of ``LaunchGraphs``: a tuple of parts whose hash is computed once.
+
+    A launch's key names every pointer, shape, stride and scalar of its kernels, dozens of
+    values that a plain tuple hashes again on every lookup (tuples do not keep their hash). A
+    call sent again keeps its key object (``calls.Prepared``): its lookups then cost the
+    cached hash and an identity check.
+
+    Parameters
+    ----------
+    *parts : hashable
+        What identifies the launch.
+    """
+
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, *parts: Hashable) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, LaunchKey):
+            return NotImplemented
+        return self._hash == other._hash and self.parts == other.parts
+
+    def __repr__(self) -> str:
+        return f"LaunchKey{self.parts!r}"
 
 
 class Graph(Protocol):

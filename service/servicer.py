@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import grpc
 import torch
@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 from ddtree.service import convert
 from ddtree.service.access import client_identity
 from ddtree.service.call_memo import DecodedCalls
+from ddtree.service.calls import Prepared
 from ddtree.service.channel import open_channel_args
 from ddtree.service.config import ServiceConfig
 from ddtree.service.engine import Engine
@@ -35,6 +36,7 @@ __all__ = ["TreeSpeculationServicer"]
 
 _T = TypeVar("_T")
 _C = TypeVar("_C")
+_R = TypeVar("_R", bound=Message)
 
 _OFFLOAD_BYTES = 1 << 20
 """Requests and responses larger than this are converted on a helper thread: copying hundreds
@@ -49,6 +51,17 @@ async def _convert(byte_size: int, work: Callable[[], _T]) -> _T:
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _refs_reply(prepared: Prepared | None, respond: Callable[[], _R]) -> _R:
+    """``respond()``, the response of a call whose results are in caller memory: it names only
+    the call's destinations, so a call decoded once and sent again (``prepared``) keeps the
+    first one and sends it every time (gRPC only serialises it)."""
+    if prepared is None:
+        return respond()
+    if prepared.reply is None:
+        prepared.reply = respond()
+    return cast(_R, prepared.reply)  # made by ``respond`` for an earlier copy of the call
 
 
 class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
@@ -186,9 +199,13 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
             request, context, convert.build_tree_call, self._engine.build_tree
         )
         if call.out is not None:
-            response = pb.BuildTreeResponse()
-            convert.tree_refs_to_proto(request.outputs, tree, response.tree)
-            return response
+
+            def respond() -> pb.BuildTreeResponse:
+                response = pb.BuildTreeResponse()
+                convert.tree_refs_to_proto(request.outputs, tree, response.tree)
+                return response
+
+            return _refs_reply(call.prepared, respond)
         return pb.BuildTreeResponse(tree=convert.tree_to_proto(tree))
 
     async def AcceptTree(
@@ -214,6 +231,8 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
                 response.kv_cache.CopyFrom(convert.tensor_to_proto(result.kv_cache))
             return response
 
+        if call.out is not None and (result.kv_cache is None or cache_is_ref):
+            return _refs_reply(call.prepared, respond)
         return await _convert(0 if cache_is_ref else _nbytes(result.kv_cache), respond)
 
     async def VerifyAttention(

@@ -6,6 +6,7 @@ again on every reuse, and must never outlive the registration it was decoded aga
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -16,10 +17,12 @@ from helpers.ipc import HostMapper
 from ddtree.service import convert
 from ddtree.service.call_memo import DecodedCalls
 from ddtree.service.calls import BuildTreeCall, CallLimits
+from ddtree.service.config import ServiceConfig
 from ddtree.service.engine import Engine
 from ddtree.service.errors import InvalidArgument, MemoryTokenNotFound
 from ddtree.service.memory import MemoryLimits, RegionTable
-from ddtree.v1 import tensor_pb2
+from ddtree.service.servicer import TreeSpeculationServicer
+from ddtree.v1 import tensor_pb2, tree_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 
 UUID = "GPU-test-0000"
@@ -181,3 +184,47 @@ def test_the_engine_validates_a_reused_call_once_per_limits(region: Region) -> N
             small.build_tree(replace(third, deadline_s=None))
         assert third.prepared is first.prepared
         assert first.prepared.validated_for is engine.limits
+
+
+class _Context:
+    """What the servicer reads of a ``grpc.aio.ServicerContext`` (a Unix-socket caller)."""
+
+    def time_remaining(self) -> None:
+        return None
+
+    def peer(self) -> str:
+        return "unix:/tmp/ddtree-test.sock"
+
+
+def _outputs(token: str) -> tree_pb2.TreeOutputRefs:
+    """Destinations of a batch-2, budget-4 tree in the region, from offset 8 KiB."""
+    names = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
+    return tree_pb2.TreeOutputRefs(
+        **{
+            name: tensor_pb2.TensorRef(region_token=token, offset_bytes=8192 + 1024 * index)
+            for index, name in enumerate(names)
+        }
+    )
+
+
+def test_a_reused_call_into_caller_memory_is_answered_with_its_first_reply(
+    region: Region,
+) -> None:
+    message = request(region.token)
+    message.outputs.CopyFrom(_outputs(region.token))
+    with Engine(device="cpu", backend="reference") as engine:
+        engine.warm_up()
+        servicer = TreeSpeculationServicer(engine, ServiceConfig(), region.resolver)
+
+        def build(request: pb.BuildTreeRequest) -> pb.BuildTreeResponse:
+            return asyncio.run(servicer.BuildTree(request, _Context()))  # type: ignore[arg-type]
+
+        first, second = build(message), build(message)
+        assert second is first  # kept with the decoded call, sent again
+        assert first.tree.tokens.ref == message.outputs.tokens
+        assert list(first.tree.mask.shape) == [2, 5, 1]
+        fresh = request(region.token)  # no destinations: the tree travels in the reply
+        inline_replies = build(fresh), build(fresh)
+        assert inline_replies[0] is not inline_replies[1]
+        assert inline_replies[0] == inline_replies[1]
+        assert inline_replies[0].tree.tokens.WhichOneof("data") == "inline"

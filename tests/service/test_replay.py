@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from ddtree.service.replay import LaunchGraphs
+from ddtree.service.replay import LaunchGraphs, LaunchKey
 
 
 class FakeGraph:
@@ -118,3 +118,31 @@ def test_bad_arguments_raise_as_they_do_eagerly() -> None:
     launch.error = None
     assert graphs.run("k", launch) == "result 3"  # still capturable
     assert len(graphs) == 1
+
+
+def test_launch_keys_with_equal_parts_name_one_graph() -> None:
+    graphs: LaunchGraphs[str] = LaunchGraphs(graph_factory=FakeGraph)
+    launch = Launches()
+    layout = (0x7F00, (32, 65), (65, 1), "int64")
+    graphs.run((LaunchKey("build_tree", layout, 64), 0x1000), launch)  # eager
+    graphs.run((LaunchKey("build_tree", layout, 64), 0x1000), launch)  # captured
+    # A key built again from equal parts finds the graph; any differing part does not.
+    assert graphs.run((LaunchKey("build_tree", layout, 64), 0x1000), launch) == "result 2"
+    assert graphs.run((LaunchKey("build_tree", layout, 65), 0x1000), launch) == "result 3"
+    assert graphs.run((LaunchKey("build_tree", layout, 64), 0x2000), launch) == "result 4"
+    assert len(FakeGraph.made) == 1 and graphs.replays == 2
+
+
+def test_a_launch_key_hashes_its_parts_once() -> None:
+    class Part:
+        hashed = 0
+
+        def __hash__(self) -> int:
+            Part.hashed += 1
+            return 7
+
+    key = LaunchKey("accept", Part())
+    for _ in range(3):
+        assert {key: 1}[key] == 1
+    assert Part.hashed == 1
+    assert key == key and key != LaunchKey("accept", 7) and key != ("accept",)
