@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers.ipc import HostMapper
 
+from ddtree.kernels.types import TREE_FIELDS
 from ddtree.service import convert
 from ddtree.service.call_memo import DecodedCalls
 from ddtree.service.calls import BuildTreeCall, CallLimits
@@ -198,11 +199,10 @@ class _Context:
 
 def _outputs(token: str) -> tree_pb2.TreeOutputRefs:
     """Destinations of a batch-2, budget-4 tree in the region, from offset 8 KiB."""
-    names = ("tokens", "parents", "depths", "log_probs", "num_nodes", "mask")
     return tree_pb2.TreeOutputRefs(
         **{
             name: tensor_pb2.TensorRef(region_token=token, offset_bytes=8192 + 1024 * index)
-            for index, name in enumerate(names)
+            for index, name in enumerate(TREE_FIELDS)
         }
     )
 
