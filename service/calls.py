@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +27,7 @@ from ddtree.service.errors import (
 
 if TYPE_CHECKING:
     from ddtree.service.memory import Leases
+    from ddtree.service.replay import LaunchKey
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -90,19 +90,23 @@ class Prepared:
     validated_for : CallLimits or None
         The limits the call passed ``validate_*`` under (the engine's own, compared by
         identity); ``None`` until it has.
-    launch_key : Hashable or None
-        The engine's replay key of the call's launches (see ``service.replay``), ``None`` until
+    launch_key : LaunchKey or None
+        A BuildTree call's replay key of its launches (see ``service.replay``), ``None`` until
         computed.
+    accept_keys : tuple of (LaunchKey, LaunchKey or None), or None
+        An AcceptTree call's replay keys: the walk's and, when the call commits the KV cache,
+        the commit's. ``None`` until computed.
     reply : object or None
         The servicer's response to a call whose results go into caller memory: it names only
         the destinations, so it is the same for every copy. ``None`` until first sent.
     """
 
-    __slots__ = ("launch_key", "reply", "validated_for")
+    __slots__ = ("accept_keys", "launch_key", "reply", "validated_for")
 
     def __init__(self) -> None:
         self.validated_for: CallLimits | None = None
-        self.launch_key: Hashable | None = None
+        self.launch_key: LaunchKey | None = None
+        self.accept_keys: tuple[LaunchKey, LaunchKey | None] | None = None
         self.reply: object | None = None
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -1167,8 +1167,8 @@ class Engine:
             )
         )
         prepared = call.prepared if own else None
-        if prepared is not None and prepared.launch_key is not None:
-            return cast(tuple[LaunchKey, LaunchKey | None], prepared.launch_key)  # stored below
+        if prepared is not None and prepared.accept_keys is not None:
+            return prepared.accept_keys
         assert call.out is not None  # replayed only into caller memory
         out_tensors = tuple(_layout(getattr(call.out, n)) for n in ACCEPTANCE_FIELDS)
         walk_key = LaunchKey(
@@ -1185,7 +1185,7 @@ class Engine:
             move_key = LaunchKey("commit_kv", *(_layout(t) for t in commit), *out_tensors)
         keys = (walk_key, move_key)
         if prepared is not None:
-            prepared.launch_key = keys
+            prepared.accept_keys = keys
         return keys
 
     def _check_accept_flags(self, flags: torch.Tensor) -> None:
