@@ -31,7 +31,8 @@
 //    On random logits only O(K log(V / K)) entries ever pass. At the end every warp writes its
 //    statistics and its candidates at or above the final threshold (a superset of its share of
 //    the row's top K), padded with composite 0, as one "part" of the row.
-// 2. ddtree_build_merge  grid (rows), block MERGE_THREADS, dynamic shared memory
+// 2. ddtree_build_merge  grid (rows), block of any multiple of 32 threads up to MERGE_THREADS
+//    (the plan's merge_threads), dynamic shared memory
 //    (num_parts * K + 2 * sort_size) * 8 bytes. Gathers the row's non-pad candidates, combines
 //    the parts' statistics into the row's log-sum-exp, sorts the candidates (bitonic; when there
 //    are more than 2 * sort_size, only the top K after a radix select) and writes the sorted
@@ -759,7 +760,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
   __shared__ int found, counter;
   __shared__ unsigned long long cut;
   __shared__ uint32_t hist[256];
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x, lane = tid & 31, threads = blockDim.x;
   const int64_t row = blockIdx.x;
   const int n_all = num_parts * top_k;
   uint64_t* cand = smem;
@@ -768,12 +769,12 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
     found = 0;
     counter = 0;
   }
-  for (int i = tid; i < 2 * sort_size; i += MERGE_THREADS) sorted[i] = 0;
+  for (int i = tid; i < 2 * sort_size; i += threads) sorted[i] = 0;
   __syncthreads();
   // Gather the real candidates (every real composite is above DDTREE_FINITE_FLOOR > 0).
   const uint64_t* src = part_keys + row * (int64_t)n_all;
-  const int rounded = (n_all + MERGE_THREADS - 1) / MERGE_THREADS * MERGE_THREADS;
-  for (int i = tid; i < rounded; i += MERGE_THREADS) {
+  const int rounded = (n_all + threads - 1) / threads * threads;
+  for (int i = tid; i < rounded; i += threads) {
     const uint64_t v = i < n_all ? src[i] : 0;
     const uint32_t ballot = __ballot_sync(DDTREE_FULL, v != 0);
     int base = 0;
@@ -784,14 +785,14 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
   // Row statistics from the parts' (max, sum of exp(x - max), +inf count).
   const float* st = part_stats + row * num_parts * 3;
   float m = -DDTREE_INF, inf = 0.0f;
-  for (int p = tid; p < num_parts; p += MERGE_THREADS) {
+  for (int p = tid; p < num_parts; p += threads) {
     m = fmaxf(m, st[3 * p]);
     inf += st[3 * p + 2];
   }
   const float row_max = ddtree_block_reduce_max(m, scratch);
   float s = 0.0f;
   if (row_max > -DDTREE_INF) {
-    for (int p = tid; p < num_parts; p += MERGE_THREADS) {
+    for (int p = tid; p < num_parts; p += threads) {
       if (st[3 * p] > -DDTREE_INF) s += st[3 * p + 1] * expf(st[3 * p] - row_max);
     }
   }
@@ -801,7 +802,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
   if (n <= 2 * sort_size) {
     // Few enough to sort them all (the usual case): the top_k largest lead the sorted list, and
     // the rest of `sorted` stays 0.
-    for (int i = tid; i < n; i += MERGE_THREADS) sorted[i] = cand[i];
+    for (int i = tid; i < n; i += threads) sorted[i] = cand[i];
     __syncthreads();
     ddtree_bitonic_desc(sorted, n <= sort_size ? sort_size : 2 * sort_size);
   } else {
@@ -811,7 +812,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
       if (tid == 0) cut = t;
     }
     __syncthreads();
-    for (int i = tid; i < n; i += MERGE_THREADS) {
+    for (int i = tid; i < n; i += threads) {
       const uint64_t v = cand[i];
       if (v >= cut) sorted[atomicAdd(&counter, 1)] = v;  // exactly top_k are >= cut
     }

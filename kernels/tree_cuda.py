@@ -45,6 +45,12 @@ _TOPK_MIN_BLOCKS = 2
 _TOPK_MIN_SHRINK = 512
 """A warp shrinks its candidate buffer once it holds more than ``max(2 * top_k, 512)``."""
 _MERGE_THREADS = 256
+"""Threads of a ``ddtree_build_merge`` block (``MERGE_THREADS``, its most) ..."""
+_MERGE_THREADS_SMALL = 64
+"""... and of one that gathers at most ``_MERGE_SMALL_ROW`` candidate slots (parts times top_k:
+eight parts of top_k <= 64): fewer threads meet at each barrier of its sort (docs/kernels.md,
+session 10)."""
+_MERGE_SMALL_ROW = 512
 _SELECT_THREADS = 128
 _ACCEPT_THREADS = 256
 _ACCEPT_LOGIT_THREADS = 1024
@@ -199,6 +205,8 @@ def build_tree_plan(
     num_chunks = -(-vocab_size // span)
     num_parts = num_chunks * warps
     merge_smem = (num_parts * top_k + 2 * sort_size) * 8
+    small = num_parts * top_k <= _MERGE_SMALL_ROW
+    merge_threads = _MERGE_THREADS_SMALL if small else _MERGE_THREADS
     lp_bytes = draft_len * top_k * 4
     lp_in_smem = lp_bytes <= max_smem_bytes
     return BuildTreePlan(
@@ -214,7 +222,7 @@ def build_tree_plan(
         sort_size=sort_size,
         lp_in_smem=lp_in_smem,
         topk=jit.LaunchParams((num_chunks, rows, 1), (warps * 32, 1, 1), topk_smem),
-        merge=jit.LaunchParams((rows, 1, 1), (_MERGE_THREADS, 1, 1), merge_smem),
+        merge=jit.LaunchParams((rows, 1, 1), (merge_threads, 1, 1), merge_smem),
         select=jit.LaunchParams(
             (batch_size, 1, 1), (_SELECT_THREADS, 1, 1), lp_bytes if lp_in_smem else 0
         ),

@@ -178,6 +178,9 @@ def test_build_tree_plan_covers_the_vocabulary(
     assert plan.topk.shared_mem_bytes == plan.warps * (plan.cap * 8 + hits * 20)
     assert plan.merge.grid == (rows, 1, 1)
     assert plan.merge.shared_mem_bytes == (plan.num_parts * plan.top_k + 2 * plan.sort_size) * 8
+    # A row of at most 512 candidate slots is merged by 64 threads, a larger one by 256.
+    merge_threads = 64 if plan.num_parts * plan.top_k <= 512 else 256
+    assert plan.merge.block == (merge_threads, 1, 1)
     assert plan.select.grid == (batch_size, 1, 1)
     lp_table = draft_len * plan.top_k * 4 if plan.lp_in_smem else 0
     assert plan.select.shared_mem_bytes == lp_table
