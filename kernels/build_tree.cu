@@ -25,9 +25,10 @@
 //    of its first-step vector maxima (one block barrier, so that the first steps already use it).
 //    While it streams, when j <= TOPK_BOUND_MAX_J, a warp also publishes the j-th largest of its
 //    lanes' running maxima (each lane's maximum is one entry, and the lanes' entries are
-//    distinct) at steps 1, 2, 4, 8, ... (TOPK_BOUND_EVERY 0; n > 0: every n steps). That bound
-//    rises as the row streams by, so the threshold follows the row's K-th largest entry instead
-//    of staying near the first steps' (B 32, K 64: 66 instead of 211 hit vectors per warp).
+//    distinct) at steps 1, 2, 4, 8, ... (each costs j warp reductions; every step or every
+//    second step was slower). That bound rises as the row streams by, so the threshold follows
+//    the row's K-th largest entry instead of staying near the first steps' (B 32, K 64: 66
+//    instead of 211 hit vectors per warp).
 //    On random logits only O(K log(V / K)) entries ever pass. At the end every warp writes its
 //    statistics and its candidates at or above the final threshold (a superset of its share of
 //    the row's top K), padded with composite 0, as one "part" of the row.
@@ -71,9 +72,6 @@
 #endif
 #ifndef TOPK_PREFETCH
 #define TOPK_PREFETCH 2
-#endif
-#ifndef TOPK_BOUND_EVERY
-#define TOPK_BOUND_EVERY 0
 #endif
 #ifndef TOPK_BOUND_MAX_J
 #define TOPK_BOUND_MAX_J 16
@@ -525,10 +523,11 @@ __device__ int ddtree_shrink_and_raise(uint64_t* cand, int n, int top_k, int j, 
 // warp calls it. Not inlined, so that the streaming loop stays small: 0-11 % faster over B 1..128
 // and K 16..256 on the H200 (B 32 K 64: 1.3 %).
 template <bool UNIT>
-__device__ __noinline__ int ddtree_expand_hits(const uint4* hit_vec, const int32_t* hit_token, int nh,
-                                  float temperature, uint64_t* cand, int count, int cap,
-                                  int top_k, int j, uint32_t* hist, uint32_t* warp_bound,
-                                  unsigned long long* block_threshold) {
+__device__ __noinline__ int ddtree_expand_hits(const uint4* hit_vec, const int32_t* hit_token,
+                                               int nh, float temperature, uint64_t* cand,
+                                               int count, int cap, int top_k, int j,
+                                               uint32_t* hist, uint32_t* warp_bound,
+                                               unsigned long long* block_threshold) {
   const int lane = threadIdx.x & 31;
   __syncwarp();  // every lane's hits are visible
   for (int base = 0; base < nh; base += 32) {
@@ -646,8 +645,7 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
     }
     ddtree_step_stats(x, smax, m, s, infs);
     ++step;
-    if (j <= TOPK_BOUND_MAX_J &&
-        (TOPK_BOUND_EVERY > 0 ? step % TOPK_BOUND_EVERY == 0 : (step & (step - 1)) == 0)) {
+    if (j <= TOPK_BOUND_MAX_J && (step & (step - 1)) == 0) {  // steps 1, 2, 4, 8, ...
       ddtree_publish_lane_bound(m, j, warp_bound, block_threshold);
     }
     if (__ballot_sync(DDTREE_FULL, smax >= floor_value) != 0u) {
