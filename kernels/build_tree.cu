@@ -31,7 +31,8 @@
 //    instead of 211 hit vectors per warp).
 //    On random logits only O(K log(V / K)) entries ever pass. At the end every warp writes its
 //    statistics and its candidates at or above the final threshold (a superset of its share of
-//    the row's top K), padded with composite 0, as one "part" of the row.
+//    the row's top K; its K largest if more than K are), padded with composite 0, as one "part"
+//    of the row.
 // 2. ddtree_build_merge  grid (rows), block of any multiple of 32 threads up to MERGE_THREADS
 //    (the plan's merge_threads), dynamic shared memory
 //    (num_parts * K + 2 * sort_size) * 8 bytes. Gathers the row's non-pad candidates, combines
@@ -715,11 +716,6 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
                                     cand, hit_vec, hit_token, hist[warp], &threshold,
                                     first_threshold, warp_bound, m, s, infs);
   }
-  if (count > top_k) {
-    uint64_t raised;
-    count = ddtree_warp_shrink(cand, count, top_k, top_k, hist[warp], &raised);
-    if (lane == 0) atomicMax(&threshold, (unsigned long long)raised);
-  }
   float wm = m;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) wm = fmaxf(wm, __shfl_xor_sync(DDTREE_FULL, wm, off));
@@ -734,9 +730,16 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   const int64_t parts = (int64_t)gridDim.x * TOPK_WARPS;
   const int64_t part = row * parts + chunk * TOPK_WARPS + warp;
   uint64_t* out = part_keys + part * top_k;
-  const int written = ddtree_warp_filter(cand, count, final_threshold, out);
+  // Entries below the final threshold are not among the row's top K. Usually at most K of the
+  // warp's remain, so the radix select below seldom runs (filtering after the barrier instead
+  // of selecting before it: top-k 5-14 % faster on the H200, B 32 K 64 74.4 -> 70.6 us).
+  count = ddtree_warp_filter(cand, count, final_threshold, cand);
+  if (count > top_k) {
+    uint64_t kept_from;
+    count = ddtree_warp_shrink(cand, count, top_k, top_k, hist[warp], &kept_from);
+  }
   // Pads: composite 0, below every real composite (token 0xFFFFFFFF).
-  for (int i = written + lane; i < top_k; i += 32) out[i] = 0;
+  for (int i = lane; i < top_k; i += 32) out[i] = i < count ? cand[i] : 0;
   if (lane == 0) {
     float* stats = part_stats + part * 3;
     stats[0] = wm;

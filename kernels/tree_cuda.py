@@ -48,9 +48,12 @@ _MERGE_THREADS = 256
 """Threads of a ``ddtree_build_merge`` block (``MERGE_THREADS``, its most) ..."""
 _MERGE_THREADS_SMALL = 64
 """... and of one that gathers at most ``_MERGE_SMALL_ROW`` candidate slots (parts times top_k:
-eight parts of top_k <= 64): fewer threads meet at each barrier of its sort (docs/kernels.md,
-session 10)."""
+eight parts of top_k <= 64) when the rows are more than one wave of ``_MERGE_THREADS`` blocks
+holds (``_MERGE_RESIDENT`` per SM): the small blocks then run in one wave (H200, kernel alone:
+B 128 K 64, 2048 rows, 17.6 instead of 33.1 us), while rows that fit one wave merge faster with
+256 threads (B 32 K 64, 512 rows: 10.8 against 12.0 us; docs/kernels.md, session 11)."""
 _MERGE_SMALL_ROW = 512
+_MERGE_RESIDENT = 2048 // _MERGE_THREADS
 _SELECT_THREADS = 128
 _ACCEPT_THREADS = 256
 _ACCEPT_LOGIT_THREADS = 1024
@@ -205,7 +208,7 @@ def build_tree_plan(
     num_chunks = -(-vocab_size // span)
     num_parts = num_chunks * warps
     merge_smem = (num_parts * top_k + 2 * sort_size) * 8
-    small = num_parts * top_k <= _MERGE_SMALL_ROW
+    small = num_parts * top_k <= _MERGE_SMALL_ROW and rows > num_sms * _MERGE_RESIDENT
     merge_threads = _MERGE_THREADS_SMALL if small else _MERGE_THREADS
     lp_bytes = draft_len * top_k * 4
     lp_in_smem = lp_bytes <= max_smem_bytes

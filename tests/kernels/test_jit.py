@@ -147,7 +147,13 @@ def test_launch_params_validate() -> None:
 
 @pytest.mark.parametrize(
     ("batch_size", "draft_len", "vocab_size", "max_budget"),
-    [(1, 1, 8, 1), (32, 16, 163840, 64), (3, 15, 32000, 300), (64, 32, 163840, 1024)],
+    [
+        (1, 1, 8, 1),
+        (32, 16, 163840, 64),
+        (128, 16, 163840, 64),
+        (3, 15, 32000, 300),
+        (64, 32, 163840, 1024),
+    ],
 )
 def test_build_tree_plan_covers_the_vocabulary(
     batch_size: int, draft_len: int, vocab_size: int, max_budget: int
@@ -178,8 +184,10 @@ def test_build_tree_plan_covers_the_vocabulary(
     assert plan.topk.shared_mem_bytes == plan.warps * (plan.cap * 8 + hits * 20)
     assert plan.merge.grid == (rows, 1, 1)
     assert plan.merge.shared_mem_bytes == (plan.num_parts * plan.top_k + 2 * plan.sort_size) * 8
-    # A row of at most 512 candidate slots is merged by 64 threads, a larger one by 256.
-    merge_threads = 64 if plan.num_parts * plan.top_k <= 512 else 256
+    # Rows of at most 512 candidate slots each are merged by 64 threads when more than one wave
+    # of 256-thread blocks (8 per SM, 132 SMs) would hold them; otherwise by 256.
+    small = plan.num_parts * plan.top_k <= 512 and rows > 132 * 8
+    merge_threads = 64 if small else 256
     assert plan.merge.block == (merge_threads, 1, 1)
     assert plan.select.grid == (batch_size, 1, 1)
     lp_table = draft_len * plan.top_k * 4 if plan.lp_in_smem else 0
