@@ -661,7 +661,9 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
     }
     ddtree_step_stats(x, smax, m, s, infs);
     ++step;
-    if (j <= TOPK_BOUND_MAX_J && (step & (step - 1)) == 0) {  // steps 1, 2, 4, 8, ...
+    // Steps 1, 2, 4, 8, ...; step 1's lane maxima are a subset of the first-step vector maxima,
+    // so after the first-step bound their j-th largest cannot beat it.
+    if (j <= TOPK_BOUND_MAX_J && (step & (step - 1)) == 0 && (step > 1 || !first_threshold)) {
       ddtree_publish_lane_bound(m, j, warp_bound, block_threshold);
     }
     if (__ballot_sync(DDTREE_FULL, smax >= floor_value) != 0u) {
@@ -1091,8 +1093,26 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
   }
   __syncwarp();
   int size = 1, popped = 0;
+  // Puts candidate c in a fresh slot; its lane keeps the better of it and its best.
+  auto insert = [&](const ddtree_cand& c) {
+    const int fresh = size++;
+    if (lane == (fresh & 31)) {
+      slot_key[fresh] = c.key;
+      slot_info[fresh] = c.info;
+      slot_lex[fresh] = c.lex;
+      if (best_slot < 0 || ddtree_cand_better(c.key, c.lex, c.info, best_key, best_lex,
+                                              best_info, node_parent, node_rank)) {
+        best_key = c.key;
+        best_lex = c.lex;
+        best_info = c.info;
+        best_slot = fresh;
+      }
+    }
+  };
+  // The frontier's best key when the last round computed it (the `rest` below), else 0.
+  uint32_t known_top = 0u;
   while (popped < budget) {
-    const uint32_t top = __reduce_max_sync(DDTREE_FULL, best_key);
+    const uint32_t top = known_top != 0u ? known_top : __reduce_max_sync(DDTREE_FULL, best_key);
     if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
     uint32_t info;
     const int owner =
@@ -1104,22 +1124,15 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
     ddtree_pop_expand(popped, top, info, lex, popped == budget, draft_len, top_k, bits, lp,
                       counts, node_parent, node_rank, node_depth, node_score, child, sibling);
     if (popped == budget) break;
-    // The popped slot takes the first child, else the next sibling; a fresh slot takes the
-    // sibling when there are both.
-    const ddtree_cand put = child.key != 0u ? child : sibling;
+    // The popped slot takes the worse successor (the child goes first on equal keys: its rank
+    // tuple is the smaller); the better one, `next`, waits outside the slots.
+    const bool child_first = child.key != 0u && child.key >= sibling.key;
+    ddtree_cand next = child_first ? child : sibling;
+    const ddtree_cand second = child_first ? sibling : child;
     if (lane == owner) {
-      slot_key[win] = put.key;
-      slot_info[win] = put.info;
-      slot_lex[win] = put.lex;
-    }
-    int fresh = -1;
-    if (child.key != 0u && sibling.key != 0u) {
-      fresh = size++;
-      if (lane == (fresh & 31)) {
-        slot_key[fresh] = sibling.key;
-        slot_info[fresh] = sibling.info;
-        slot_lex[fresh] = sibling.lex;
-      }
+      slot_key[win] = second.key;
+      slot_info[win] = second.info;
+      slot_lex[win] = second.lex;
     }
     __syncwarp();
     // The owner's new best: the whole warp reads the owner's slots (owner + 32 * lane) and
@@ -1147,15 +1160,28 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
       best_key = 0;
       best_slot = -1;
     }
-    if (fresh >= 0 && lane == (fresh & 31) && lane != owner) {
-      if (best_slot < 0 || ddtree_cand_better(sibling.key, sibling.lex, sibling.info, best_key,
-                                              best_lex, best_info, node_parent, node_rank)) {
-        best_key = sibling.key;
-        best_lex = sibling.lex;
-        best_info = sibling.info;
-        best_slot = fresh;
+    // The best key of the rest of the frontier. While `next` beats it strictly, `next` is the
+    // next pop, known to every lane: pop a chain of such successors with no reduction, each
+    // time putting the other successor in a fresh slot.
+    uint32_t rest = max(__reduce_max_sync(DDTREE_FULL, best_key), (uint32_t)DDTREE_NEG_INF_KEY);
+    while (next.key > rest) {
+      ++popped;
+      ddtree_cand c, s;
+      ddtree_pop_expand(popped, next.key, next.info, next.lex, popped == budget, draft_len,
+                        top_k, bits, lp, counts, node_parent, node_rank, node_depth,
+                        node_score, c, s);
+      if (popped == budget) break;
+      const bool c_first = c.key != 0u && c.key >= s.key;
+      const ddtree_cand other = c_first ? s : c;
+      next = c_first ? c : s;
+      if (other.key != 0u) {
+        insert(other);
+        rest = max(rest, other.key);
       }
     }
+    if (popped == budget) break;
+    if (next.key != 0u) insert(next);  // the chain's last successor joins the frontier
+    known_top = rest;  // no slot holds more: `next` and every inserted key are at most rest
   }
   return popped;
 }
@@ -1209,11 +1235,13 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
     slot[0] = ddtree_make_slot(key, 0, 0, 1, 0.0f, draft_len, top_k, lp, counts);
   }
   int size = 1, popped = 0;
+  // The frontier's best key when the last round computed it (the `rest` below), else 0.
+  uint32_t known_top = 0u;
   while (popped < budget) {
     uint32_t mine = 0u;
 #pragma unroll
     for (int r = 0; r < REGS; ++r) mine = max(mine, slot[r].key);
-    const uint32_t top = __reduce_max_sync(DDTREE_FULL, mine);
+    const uint32_t top = known_top != 0u ? known_top : __reduce_max_sync(DDTREE_FULL, mine);
     if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
     uint32_t at_top = 0u;  // this lane's slots holding the top key
 #pragma unroll
@@ -1266,17 +1294,76 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
     const ddtree_reg_slot sibling = ddtree_make_slot(sibling_key, parent, rank + 1, depth,
                                                      parent_score, draft_len, top_k, lp, counts);
     const uint32_t popped_reg = lane == owner ? pick : 0u;
-    uint32_t fresh_reg = 0u;
-    if (child_key != 0u && sibling_key != 0u) {
-      const int fresh = size++;
-      fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
-    }
-    const bool take_child = child_key != 0u;
+    // The best key of the rest of the frontier (every slot but the popped one).
+    uint32_t other = 0u;
 #pragma unroll
     for (int r = 0; r < REGS; ++r) {
-      if (popped_reg & (1u << r)) slot[r] = take_child ? child : sibling;
-      if (fresh_reg & (1u << r)) slot[r] = sibling;
+      if (!(popped_reg & (1u << r))) other = max(other, slot[r].key);
     }
+    uint32_t rest = max(__reduce_max_sync(DDTREE_FULL, other), (uint32_t)DDTREE_NEG_INF_KEY);
+    // The better successor (the child on equal keys: its rank tuple is the smaller). When it
+    // beats the whole rest strictly it is the next pop, known to every lane: pop a chain of such
+    // successors with no warp reduction, each time putting the other successor in a fresh slot.
+    const bool child_first = child_key != 0u && child_key >= sibling_key;
+    ddtree_reg_slot next = child_first ? child : sibling;
+    if (next.key <= rest) {
+      uint32_t fresh_reg = 0u;
+      if (child_key != 0u && sibling_key != 0u) {
+        const int fresh = size++;
+        fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
+      }
+      const bool take_child = child_key != 0u;
+#pragma unroll
+      for (int r = 0; r < REGS; ++r) {
+        if (popped_reg & (1u << r)) slot[r] = take_child ? child : sibling;
+        if (fresh_reg & (1u << r)) slot[r] = sibling;
+      }
+      known_top = rest;  // the successors are at most rest
+      continue;
+    }
+    {
+      const ddtree_reg_slot second = child_first ? sibling : child;  // key 0: none
+#pragma unroll
+      for (int r = 0; r < REGS; ++r) {
+        if (popped_reg & (1u << r)) slot[r] = second;
+      }
+      rest = max(rest, second.key);
+    }
+    while (next.key > rest) {
+      const float next_score = ddtree_key_to_float(next.key);
+      const int p = next.info & 2047, k = (next.info >> 11) & 1023, d = next.info >> 21;
+      ++popped;
+      ddtree_record_node(popped, p, k, d, next_score, node_parent, node_rank, node_depth,
+                         node_score);
+      if (popped == budget) break;
+      const ddtree_reg_slot c = ddtree_make_slot(next.child_key, popped, 0, d + 1, next_score,
+                                                 draft_len, top_k, lp, counts);
+      const ddtree_reg_slot s = ddtree_make_slot(next.sibling_key, p, k + 1, d,
+                                                 next.parent_score, draft_len, top_k, lp,
+                                                 counts);
+      const bool c_first = c.key != 0u && c.key >= s.key;
+      const ddtree_reg_slot other_successor = c_first ? s : c;
+      next = c_first ? c : s;
+      if (other_successor.key != 0u) {
+        const int fresh = size++;
+        const uint32_t fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
+#pragma unroll
+        for (int r = 0; r < REGS; ++r) {
+          if (fresh_reg & (1u << r)) slot[r] = other_successor;
+        }
+        rest = max(rest, other_successor.key);
+      }
+    }
+    if (popped == budget) break;
+    if (next.key != 0u) {  // the chain's last successor joins the frontier
+      const int fresh = size++;
+      const uint32_t fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
+#pragma unroll
+      for (int r = 0; r < REGS; ++r) {
+        if (fresh_reg & (1u << r)) slot[r] = next;
+      }
+    }
+    known_top = rest;  // no slot holds more: `next` and every inserted key are at most rest
   }
   __syncwarp();  // the node tables are complete
   return popped;
