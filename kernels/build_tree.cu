@@ -1018,17 +1018,26 @@ __device__ __forceinline__ uint32_t ddtree_sibling_key(float parent_score, int r
              : 0u;
 }
 
-// Records popped node n in the node tables (lane 0 writes; the warp synchronises before they
-// are read).
+// Writes popped node n to the node tables (the calling thread; the warp synchronises before
+// they are read).
+__device__ __forceinline__ void ddtree_store_node(int n, int parent, int rank, int depth,
+                                                  float score, int16_t* node_parent,
+                                                  int16_t* node_rank, int8_t* node_depth,
+                                                  float* node_score) {
+  node_parent[n] = (int16_t)parent;
+  node_rank[n] = (int16_t)rank;
+  node_depth[n] = (int8_t)depth;
+  node_score[n] = score;
+}
+
+// Records popped node n in the node tables (lane 0 writes).
 __device__ __forceinline__ void ddtree_record_node(int n, int parent, int rank, int depth,
                                                    float score, int16_t* node_parent,
                                                    int16_t* node_rank, int8_t* node_depth,
                                                    float* node_score) {
   if ((threadIdx.x & 31) == 0) {
-    node_parent[n] = (int16_t)parent;
-    node_rank[n] = (int16_t)rank;
-    node_depth[n] = (int8_t)depth;
-    node_score[n] = score;
+    ddtree_store_node(n, parent, rank, depth, score, node_parent, node_rank, node_depth,
+                      node_score);
   }
 }
 
@@ -1063,6 +1072,46 @@ __device__ __forceinline__ void ddtree_pop_expand(int n, uint32_t top, uint32_t 
   sibling.key = ddtree_sibling_key(node_score[parent], rank, depth, top_k, lp, counts);
   sibling.info = ddtree_pack_slot(parent, rank + 1, depth);
   sibling.lex = ddtree_lex_next_sibling(lex, depth, bits);
+}
+
+// A sibling run of the chained selects. The chain's next pop X_0 (score key x0, first-child key
+// c0; rank `rank` at `depth` under a parent of score `parent_score`) is followed in best-first
+// order by its next sibling X_1 when X_1 beats both X_0's first child C_0 (the chain takes the
+// child on equal keys) and the rest of the frontier strictly, and so on: X_{j+1} is the next pop
+// after X_j while its key is above max(rest, C_0, ..., C_j). Lane j evaluates X_j and C_j at
+// once; a max-scan of the children and a ballot give the run's length m <= max_run: X_0 ..
+// X_{m-1} are the next m pops (their first children join the frontier) and X_m the one after.
+struct ddtree_run {
+  int m;          // X_0 .. X_{m-1} are popped in the run
+  uint32_t x, c;  // this lane's X_j and C_j score keys (j = lane; 0: none)
+  uint32_t rest;  // max(rest, C_0, ..., C_{m-1})
+};
+
+__device__ __forceinline__ ddtree_run ddtree_sibling_run(uint32_t x0, uint32_t c0,
+                                                         float parent_score, int rank, int depth,
+                                                         uint32_t rest, int max_run,
+                                                         int draft_len, int top_k,
+                                                         const float* lp, const int* counts) {
+  const int lane = threadIdx.x & 31;
+  ddtree_run run;
+  run.x = lane == 0 ? x0
+                    : ddtree_sibling_key(parent_score, rank + lane - 1, depth, top_k, lp, counts);
+  run.c = lane == 0 ? c0
+          : run.x != 0u
+              ? ddtree_child_key(ddtree_key_to_float(run.x), depth, draft_len, top_k, lp, counts)
+              : 0u;
+  uint32_t bound = max(run.c, rest);  // max(rest, C_0, ..., C_lane)
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_up_sync(DDTREE_FULL, bound, off);
+    if (lane >= off) bound = max(bound, o);
+  }
+  const uint32_t x_after = __shfl_down_sync(DDTREE_FULL, run.x, 1);
+  const uint32_t follows = __ballot_sync(DDTREE_FULL, lane < 31 && x_after > bound);
+  run.m = min(__ffs(~follows) - 1, max_run);
+  const uint32_t run_bound = __shfl_sync(DDTREE_FULL, bound, max(run.m - 1, 0));
+  run.rest = run.m > 0 ? run_bound : rest;
+  return run;
 }
 
 // Best-first pops of one request by one warp with the frontier in shared memory (any budget):
@@ -1165,6 +1214,51 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
     // time putting the other successor in a fresh slot.
     uint32_t rest = max(__reduce_max_sync(DDTREE_FULL, best_key), (uint32_t)DDTREE_NEG_INF_KEY);
     while (next.key > rest) {
+      if (popped + 1 < budget) {
+        // A sibling run (ddtree_sibling_run) of m >= 0 pops. Lane j records X_j and puts C_j in
+        // fresh slot size + j (lane (size + j) % 32, none twice); X_m becomes `next`.
+        const int p = next.info & 2047, k = (next.info >> 11) & 1023, d = next.info >> 21;
+        const float parent_score = node_score[p];
+        const uint32_t c0 = ddtree_child_key(ddtree_key_to_float(next.key), d, draft_len, top_k,
+                                             lp, counts);
+        const ddtree_run run = ddtree_sibling_run(next.key, c0, parent_score, k, d, rest,
+                                                  budget - popped - 1, draft_len, top_k, lp,
+                                                  counts);
+        if (run.m > 0) {
+          if (lane < run.m) {
+            ddtree_store_node(popped + 1 + lane, p, k + lane, d, ddtree_key_to_float(run.x),
+                              node_parent, node_rank, node_depth, node_score);
+          }
+          __syncwarp();  // the tie-break below may walk the new nodes
+          const int shift = 64 - bits * d;  // X_j's prefix: X_0's with rank + j at depth d
+          const uint64_t x_lex = shift >= 0 ? next.lex + ((uint64_t)lane << shift) : next.lex;
+          const int from = (lane - size) & 31;
+          const uint32_t key = __shfl_sync(DDTREE_FULL, run.c, from);
+          const uint64_t lex =
+              ddtree_lex_extend(__shfl_sync(DDTREE_FULL, x_lex, from), 0, d + 1, bits);
+          if (from < run.m) {
+            const int fresh = size + from;
+            const uint32_t info = ddtree_pack_slot(popped + 1 + from, 0, d + 1);
+            slot_key[fresh] = key;
+            slot_info[fresh] = info;
+            slot_lex[fresh] = lex;
+            if (key != 0u && (best_slot < 0 || ddtree_cand_better(key, lex, info, best_key,
+                                                                  best_lex, best_info,
+                                                                  node_parent, node_rank))) {
+              best_key = key;
+              best_lex = lex;
+              best_info = info;
+              best_slot = fresh;
+            }
+          }
+          next.key = __shfl_sync(DDTREE_FULL, run.x, run.m);
+          next.info = ddtree_pack_slot(p, k + run.m, d);
+          next.lex = __shfl_sync(DDTREE_FULL, x_lex, run.m);
+          size += run.m;
+          popped += run.m;
+          rest = run.rest;
+        }
+      }
       ++popped;
       ddtree_cand c, s;
       ddtree_pop_expand(popped, next.key, next.info, next.lex, popped == budget, draft_len,
@@ -1330,6 +1424,44 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
       rest = max(rest, second.key);
     }
     while (next.key > rest) {
+      if (next.sibling_key > max(rest, next.child_key) && popped + 1 < budget) {
+        // A sibling run (ddtree_sibling_run) of m >= 1 pops. Lane j records X_j and makes
+        // C_j's slot, which joins fresh slot size + j (lane (size + j) % 32, none twice); X_m
+        // becomes `next`.
+        const int p = next.info & 2047, k = (next.info >> 11) & 1023, d = next.info >> 21;
+        const ddtree_run run =
+            ddtree_sibling_run(next.key, next.child_key, next.parent_score, k, d, rest,
+                               budget - popped - 1, draft_len, top_k, lp, counts);
+        const float x_score = ddtree_key_to_float(run.x);
+        if (lane < run.m) {
+          ddtree_store_node(popped + 1 + lane, p, k + lane, d, x_score, node_parent, node_rank,
+                            node_depth, node_score);
+        }
+        const ddtree_reg_slot made = ddtree_make_slot(run.c, popped + 1 + lane, 0, d + 1, x_score,
+                                                      draft_len, top_k, lp, counts);
+        const int from = (lane - size) & 31;
+        ddtree_reg_slot got;
+        got.key = __shfl_sync(DDTREE_FULL, made.key, from);
+        got.info = __shfl_sync(DDTREE_FULL, made.info, from);
+        got.parent_score = __shfl_sync(DDTREE_FULL, made.parent_score, from);
+        got.child_key = __shfl_sync(DDTREE_FULL, made.child_key, from);
+        got.sibling_key = __shfl_sync(DDTREE_FULL, made.sibling_key, from);
+        const uint32_t fresh_reg = from < run.m ? 1u << ((size + from) >> 5) : 0u;
+#pragma unroll
+        for (int r = 0; r < REGS; ++r) {
+          if (fresh_reg & (1u << r)) slot[r] = got;
+        }
+        const uint32_t after = __shfl_sync(DDTREE_FULL, run.x, (run.m + 1) & 31);
+        next.key = __shfl_sync(DDTREE_FULL, run.x, run.m);
+        next.child_key = __shfl_sync(DDTREE_FULL, run.c, run.m);
+        next.info = ddtree_pack_slot(p, k + run.m, d);
+        next.sibling_key = run.m < 31 ? after
+                                      : ddtree_sibling_key(next.parent_score, k + run.m, d, top_k,
+                                                           lp, counts);
+        size += run.m;
+        popped += run.m;
+        rest = run.rest;
+      }
       const float next_score = ddtree_key_to_float(next.key);
       const int p = next.info & 2047, k = (next.info >> 11) & 1023, d = next.info >> 21;
       ++popped;
