@@ -52,7 +52,12 @@
 //    lane keeps the best of its slots in registers, ties compare a packed prefix of the tuple
 //    first (`bits` per depth, rank + 1, 0 past the node's depth: a few word compares) and walk
 //    parents only when the prefixes agree, and after a pop the whole warp rescans the owner's
-//    slots. Shared memory: the popped nodes, plus the per-depth log-prob table when it fits.
+//    slots. After a pop found by reduction, the pop's better successor is the next pop whenever
+//    it beats the rest of the frontier strictly (one more reduction gives the rest's best key),
+//    and so on along a chain that needs no reduction; within a chain, a run of next siblings
+//    that beat the run's first children and the rest is popped in one warp step
+//    (ddtree_sibling_run). Shared memory: the popped nodes, plus the per-depth log-prob table
+//    when it fits.
 //
 // Rules shared with the reference: x = logits.float() / temperature (true division), NaN -> -inf,
 // a row holding +inf gives its +inf tokens log-prob -log(count) and every other token -inf, an
