@@ -197,17 +197,79 @@ __device__ void ddtree_write_row(const uint64_t* sorted, int64_t row, int top_k,
 }
 
 
-// Radix selection by one warp over the n distinct composites of cand[0, n) (n >= k >= 1): the
-// largest t with at least k of them >= t, where t ranges over value keys only (exact false:
-// t = key << 32, the value of the k-th largest) or over all composites (exact true: t is the k-th
-// largest and exactly k are >= t). 8-bit digits from the top, skipping digits in which every
-// composite agrees, stopping early when one bin holds exactly the entries still wanted; `hist`
-// is the warp's 256 shared counters.
-__device__ uint64_t ddtree_warp_select(const uint64_t* cand, int n, int k, bool exact,
-                                       uint32_t* hist) {
+// The digit of a radix-select pass: the bin of a 256-bin histogram (largest digits first) that
+// holds the `remaining`-th largest entry, the count of entries in larger bins and the bin's own.
+struct ddtree_digit {
+  uint32_t bin, before, count;
+};
+
+// One whole warp calls it; every lane gets the digit.
+__device__ ddtree_digit ddtree_pick_digit(const uint32_t* hist, uint32_t remaining) {
   const int lane = threadIdx.x & 31;
+  // Lane l covers bins 255 - 8l down to 248 - 8l (largest digits first).
+  uint32_t local = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) local += hist[255 - 8 * lane - j];
+  uint32_t incl = local;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t o = __shfl_up_sync(DDTREE_FULL, incl, off);
+    if (lane >= off) incl += o;
+  }
+  const int owner = __ffs(__ballot_sync(DDTREE_FULL, incl >= remaining)) - 1;
+  ddtree_digit found = {0u, 0u, 0u};
+  if (lane == owner) {
+    uint32_t before = incl - local;
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t bin = 255u - 8u * lane - j;
+      const uint32_t c = hist[bin];
+      if (before + c >= remaining) {
+        found = {bin, before, c};
+        break;
+      }
+      before += c;
+    }
+  }
+  found.bin = __shfl_sync(DDTREE_FULL, found.bin, owner);
+  found.before = __shfl_sync(DDTREE_FULL, found.before, owner);
+  found.count = __shfl_sync(DDTREE_FULL, found.count, owner);
+  return found;
+}
+
+// Radix selection over the n distinct composites of cand[0, n) (n >= k >= 1) by one warp
+// (BLOCK false) or a whole block (BLOCK true: every thread calls it): the largest t with at
+// least k of them >= t, where t ranges over value keys only (exact false: t = key << 32, the
+// value of the k-th largest) or over all composites (exact true: t is the k-th largest and
+// exactly k are >= t). 8-bit digits from the top, skipping digits in which every composite
+// agrees, stopping early when one bin holds exactly the entries still wanted. `hist` is 256
+// shared counters (the warp's, or the block's); a block also needs `scratch` (shared), in which
+// warp 0 publishes each digit: three block barriers a digit.
+struct ddtree_select_scratch {
+  unsigned long long all_and, all_or;
+  ddtree_digit digit;
+};
+
+template <bool BLOCK>
+__device__ uint64_t ddtree_radix_select(const uint64_t* cand, int n, int k, bool exact,
+                                        uint32_t* hist, ddtree_select_scratch* scratch) {
+  const int first = BLOCK ? threadIdx.x : threadIdx.x & 31;
+  const int stride = BLOCK ? blockDim.x : 32;
+  auto sync = [] {
+    if constexpr (BLOCK) {
+      __syncthreads();
+    } else {
+      __syncwarp();
+    }
+  };
+  if constexpr (BLOCK) {
+    if (threadIdx.x == 0) {
+      scratch->all_and = ~0ull;
+      scratch->all_or = 0ull;
+    }
+    __syncthreads();
+  }
   unsigned long long all_and = ~0ull, all_or = 0;
-  for (int i = lane; i < n; i += 32) {
+  for (int i = first; i < n; i += stride) {
     all_and &= cand[i];
     all_or |= cand[i];
   }
@@ -215,6 +277,15 @@ __device__ uint64_t ddtree_warp_select(const uint64_t* cand, int n, int k, bool 
   for (int off = 16; off > 0; off >>= 1) {
     all_and &= __shfl_xor_sync(DDTREE_FULL, all_and, off);
     all_or |= __shfl_xor_sync(DDTREE_FULL, all_or, off);
+  }
+  if constexpr (BLOCK) {
+    if ((threadIdx.x & 31) == 0) {
+      atomicAnd(&scratch->all_and, all_and);
+      atomicOr(&scratch->all_or, all_or);
+    }
+    __syncthreads();
+    all_and = scratch->all_and;
+    all_or = scratch->all_or;
   }
   const uint64_t varying = all_and ^ all_or;
   uint64_t prefix = 0, mask = 0;
@@ -227,49 +298,37 @@ __device__ uint64_t ddtree_warp_select(const uint64_t* cand, int n, int k, bool 
       mask |= 0xFFull << shift;
       continue;
     }
-    for (int i = lane; i < 256; i += 32) hist[i] = 0;
-    __syncwarp();
-    for (int i = lane; i < n; i += 32) {
+    for (int i = first; i < 256; i += stride) hist[i] = 0;
+    sync();
+    for (int i = first; i < n; i += stride) {
       const uint64_t c = cand[i];
       if ((c & mask) == prefix) atomicAdd(&hist[(uint32_t)(c >> shift) & 255u], 1u);
     }
-    __syncwarp();
-    // Lane l covers bins 255 - 8l down to 248 - 8l (largest digits first).
-    uint32_t local = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) local += hist[255 - 8 * lane - j];
-    uint32_t incl = local;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t o = __shfl_up_sync(DDTREE_FULL, incl, off);
-      if (lane >= off) incl += o;
-    }
-    const int owner = __ffs(__ballot_sync(DDTREE_FULL, incl >= remaining)) - 1;
-    uint32_t found_bin = 0, found_before = 0, found_count = 0;
-    if (lane == owner) {
-      uint32_t before = incl - local;
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t bin = 255u - 8u * lane - j;
-        const uint32_t c = hist[bin];
-        if (before + c >= remaining) {
-          found_bin = bin;
-          found_before = before;
-          found_count = c;
-          break;
-        }
-        before += c;
+    sync();
+    ddtree_digit found;
+    if constexpr (BLOCK) {
+      if (threadIdx.x < 32) {
+        found = ddtree_pick_digit(hist, remaining);
+        if (threadIdx.x == 0) scratch->digit = found;
       }
+      __syncthreads();
+      found = scratch->digit;  // rewritten two barriers later at the earliest
+    } else {
+      found = ddtree_pick_digit(hist, remaining);
+      __syncwarp();  // hist is cleared by the next digit
     }
-    found_bin = __shfl_sync(DDTREE_FULL, found_bin, owner);
-    found_before = __shfl_sync(DDTREE_FULL, found_before, owner);
-    found_count = __shfl_sync(DDTREE_FULL, found_count, owner);
-    __syncwarp();  // hist is cleared by the next digit
-    prefix |= (uint64_t)found_bin << shift;
+    prefix |= (uint64_t)found.bin << shift;
     mask |= 0xFFull << shift;
-    remaining -= found_before;
-    if (found_count == remaining) break;  // the whole bin is wanted: lower digits may be 0
+    remaining -= found.before;
+    if (found.count == remaining) break;  // the whole bin is wanted: lower digits may be 0
   }
   return prefix & mask;
+}
+
+// ddtree_radix_select by one warp (every lane calls it).
+__device__ uint64_t ddtree_warp_select(const uint64_t* cand, int n, int k, bool exact,
+                                       uint32_t* hist) {
+  return ddtree_radix_select<false>(cand, n, k, exact, hist, nullptr);
 }
 
 // Copies the entries of src[0, n) that are >= t to dst, in order, and returns how many. dst
@@ -781,7 +840,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
   extern __shared__ uint64_t smem[];
   __shared__ float scratch[32];
   __shared__ int found, counter;
-  __shared__ unsigned long long cut;
+  __shared__ ddtree_select_scratch select_scratch;
   __shared__ uint32_t hist[256];
   const int tid = threadIdx.x, lane = tid & 31, threads = blockDim.x;
   const int64_t row = blockIdx.x;
@@ -836,12 +895,8 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
     __syncthreads();
     ddtree_bitonic_desc(sorted, n <= sort_size ? sort_size : 2 * sort_size);
   } else {
-    // The top_k largest (warp 0 finds the k-th), then their sort.
-    if (tid < 32) {
-      const uint64_t t = ddtree_warp_select(cand, n, top_k, true, hist);
-      if (tid == 0) cut = t;
-    }
-    __syncthreads();
+    // The top_k largest (the block finds the k-th), then their sort.
+    const uint64_t cut = ddtree_radix_select<true>(cand, n, top_k, true, hist, &select_scratch);
     for (int i = tid; i < n; i += threads) {
       const uint64_t v = cand[i];
       if (v >= cut) sorted[atomicAdd(&counter, 1)] = v;  // exactly top_k are >= cut
