@@ -45,8 +45,9 @@
 //    frontier (at most budget candidates) is split over the lanes, slot g owned by lane g % 32.
 //    A pop is one warp max-reduction of the lanes' best keys (order_key of the score); exact
 //    score ties go to the lexicographically smaller rank tuple (a parent before its children).
-//    The popped slot takes the node's first child and a fresh slot its next sibling. For
-//    budgets up to 96 the slots live in registers (two or three per lane, each with the keys of
+//    The node's successors are its first child and its next sibling: both join the frontier,
+//    one in the popped slot, unless the better one continues a chain (below). For budgets up
+//    to 96 the slots live in registers (two or three per lane, each with the keys of
 //    its own first child and next sibling computed when it enters, so that a pop waits on no
 //    memory; ties walk the popped nodes' parents). Beyond that they live in shared memory, each
 //    lane keeps the best of its slots in registers, ties compare a packed prefix of the tuple
