@@ -193,8 +193,11 @@ __device__ void ddtree_write_row(const uint64_t* sorted, int64_t row, int top_k,
     topk_tok[row * top_k + r] = (int32_t)token;
     valid += lp > -DDTREE_INF ? 1 : 0;
   }
-  const float total = ddtree_block_reduce_sum((float)valid, scratch);
-  if (threadIdx.x == 0) topk_count[row] = (int32_t)total;
+  // One entry a thread at most (valid 0 or 1): a counting barrier.
+  const int total = top_k <= (int)blockDim.x
+                        ? __syncthreads_count(valid)
+                        : (int)ddtree_block_reduce_sum((float)valid, scratch);
+  if (threadIdx.x == 0) topk_count[row] = total;
 }
 
 
@@ -364,6 +367,88 @@ __device__ __noinline__ int ddtree_warp_shrink(uint64_t* cand, int n, int k, int
   }
   *threshold_out = t;
   return kept;
+}
+
+// A row's statistics from its parts' (max, sum of exp(x - max), +inf count) triples st[3 * p ..],
+// p < num_parts: the largest max, the parts' sums rescaled to it and added, the +inf count.
+// Every thread of the block calls it (block barriers inside). Up to 32 parts, warp 0 reduces
+// alone and one barrier publishes the result: the same shuffle trees as the block-wide
+// reductions, whose other warps hold only -inf and 0, so the same bits.
+__device__ void ddtree_row_stats(const float* st, int num_parts, float* scratch, float& row_max,
+                                 float& row_sum, float& row_inf) {
+  const int tid = threadIdx.x, threads = blockDim.x;
+  if (num_parts <= 32) {
+    if (tid < 32) {
+      const bool mine = tid < num_parts;
+      float m = mine ? st[3 * tid] : -DDTREE_INF;
+      float inf = mine ? st[3 * tid + 2] : 0.0f;
+      float top = m;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(DDTREE_FULL, top, off));
+      float s = top > -DDTREE_INF && m > -DDTREE_INF ? st[3 * tid + 1] * expf(m - top) : 0.0f;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        s += __shfl_xor_sync(DDTREE_FULL, s, off);
+        inf += __shfl_xor_sync(DDTREE_FULL, inf, off);
+      }
+      if (tid == 0) {
+        scratch[0] = top;
+        scratch[1] = s;
+        scratch[2] = inf;
+      }
+    }
+    __syncthreads();
+    row_max = scratch[0];
+    row_sum = scratch[1];
+    row_inf = scratch[2];
+    return;
+  }
+  float m = -DDTREE_INF, inf = 0.0f;
+  for (int p = tid; p < num_parts; p += threads) {
+    m = fmaxf(m, st[3 * p]);
+    inf += st[3 * p + 2];
+  }
+  row_max = ddtree_block_reduce_max(m, scratch);
+  float s = 0.0f;
+  if (row_max > -DDTREE_INF) {
+    for (int p = tid; p < num_parts; p += threads) {
+      if (st[3 * p] > -DDTREE_INF) s += st[3 * p + 1] * expf(st[3 * p] - row_max);
+    }
+  }
+  row_sum = ddtree_block_reduce_sum(s, scratch);
+  row_inf = ddtree_block_reduce_sum(inf, scratch);
+}
+
+// Orders a row's n distinct candidates cand[0, n): sorted[0, top_k) gets the top_k largest in
+// descending order, 0 past n. sorted[0, 2 * sort_size) and *counter must be 0 on entry and
+// visible to the block; `hist` is 256 shared counters. Every thread of the block calls it; the
+// block is synchronised on return.
+__device__ void ddtree_order_row(const uint64_t* cand, int n, int top_k, int sort_size,
+                                 uint64_t* sorted, uint32_t* hist,
+                                 ddtree_select_scratch* select_scratch, int* counter) {
+  if (n <= (int)blockDim.x) {
+    // Usual with 256 threads: one pass over n entries per thread and one barrier, where the
+    // sorts below take a barrier per stage (and the select a serial warp before them). On the
+    // H200, B 32 K 64: 10.8 -> 8.1 us; ranking 2-5 candidates per thread was slower (B 128
+    // K 64 on 64 threads: 18.1 -> 22.3 us).
+    ddtree_rank_desc(cand, n, top_k, sorted);
+    __syncthreads();
+  } else if (n <= 2 * sort_size) {
+    // Few enough to sort them all: the top_k largest lead the sorted list, and the rest of
+    // `sorted` stays 0.
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sorted[i] = cand[i];
+    __syncthreads();
+    ddtree_bitonic_desc(sorted, n <= sort_size ? sort_size : 2 * sort_size);
+  } else {
+    // The top_k largest (the block finds the k-th), then their sort.
+    const uint64_t cut = ddtree_radix_select<true>(cand, n, top_k, true, hist, select_scratch);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const uint64_t v = cand[i];
+      if (v >= cut) sorted[atomicAdd(counter, 1)] = v;  // exactly top_k are >= cut
+    }
+    __syncthreads();
+    ddtree_bitonic_desc(sorted, sort_size);
+  }
 }
 
 constexpr int DDTREE_VEC = 16 / sizeof(ddtree_logit_t);
@@ -756,12 +841,55 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
                                   j, hist, warp_bound, block_threshold);
 }
 
+// The merge of a row by its only top-k block (launch 1 with merge_here; see the file comment):
+// each warp's `count` (<= top_k) candidates `cand` and statistics (wm, ws, infs) are gathered in
+// shared memory and ordered and written exactly as ddtree_build_merge would. `gathered` holds
+// TOPK_WARPS * top_k composites and does not overlap the candidate buffers; `sorted` (2 *
+// sort_size composites) may, as it is cleared only once they are gathered. `hist` is 256 shared
+// counters. Every thread of the block calls it.
+__device__ void ddtree_merge_here(const uint64_t* cand, int count, float wm, float ws, float infs,
+                                  uint64_t* sorted, uint64_t* gathered, int64_t row, int top_k,
+                                  int sort_size, int vocab, uint32_t* hist,
+                                  float* __restrict__ topk_lp, int32_t* __restrict__ topk_tok,
+                                  int32_t* __restrict__ topk_count) {
+  __shared__ int counts[TOPK_WARPS], counter;
+  __shared__ float stats[TOPK_WARPS * 3], scratch[32];
+  __shared__ ddtree_select_scratch select_scratch;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    counts[warp] = count;
+    stats[3 * warp] = wm;
+    stats[3 * warp + 1] = ws;
+    stats[3 * warp + 2] = infs;
+  }
+  if (threadIdx.x == 0) counter = 0;
+  __syncthreads();
+  int offset = 0, n = 0;
+#pragma unroll
+  for (int w = 0; w < TOPK_WARPS; ++w) {
+    offset += w < warp ? counts[w] : 0;
+    n += counts[w];
+  }
+  for (int i = lane; i < count; i += 32) gathered[offset + i] = cand[i];
+  __syncthreads();  // every candidate is gathered: the buffers under `sorted` are free
+  for (int i = threadIdx.x; i < 2 * sort_size; i += blockDim.x) sorted[i] = 0;
+  float row_max, row_sum, row_inf;
+  ddtree_row_stats(stats, TOPK_WARPS, scratch, row_max, row_sum, row_inf);  // publishes `sorted`
+  ddtree_order_row(gathered, n, top_k, sort_size, sorted, hist, &select_scratch, &counter);
+  ddtree_write_row(sorted, row, top_k, vocab, row_max, logf(row_sum), row_inf, scratch, topk_lp,
+                   topk_tok, topk_count);
+}
+
 extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) ddtree_build_topk(
     const ddtree_logit_t* __restrict__ logits,  // [rows, vocab]
     float temperature, int32_t vocab, int32_t span, int32_t top_k, int32_t cap,
     int32_t vectorized,
-    uint64_t* __restrict__ part_keys,  // [rows, num_chunks * TOPK_WARPS, top_k]
-    float* __restrict__ part_stats) {  // [rows, num_chunks * TOPK_WARPS, 3]: max, sum, +inf count
+    uint64_t* __restrict__ part_keys,  // [rows, num_chunks * TOPK_WARPS, top_k] (merge_here: unused)
+    float* __restrict__ part_stats,    // [rows, num_chunks * TOPK_WARPS, 3]: max, sum, +inf count
+    int32_t merge_here, int32_t sort_size,  // merge_here: one block per row merges it (below)
+    float* __restrict__ topk_lp,            // [rows, top_k] (merge_here only, as the merge's)
+    int32_t* __restrict__ topk_tok,         // [rows, top_k]
+    int32_t* __restrict__ topk_count) {     // [rows]
   // [TOPK_WARPS, cap] candidate buffers, [TOPK_WARPS, DDTREE_HITS] hit vectors and their
   // [TOPK_WARPS, DDTREE_HITS] first tokens.
   extern __shared__ uint64_t smem[];
@@ -820,6 +948,11 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
     uint64_t kept_from;
     count = ddtree_warp_shrink(cand, count, top_k, top_k, hist[warp], &kept_from);
   }
+  if (merge_here) {
+    ddtree_merge_here(cand, count, wm, ws, infs, smem, reinterpret_cast<uint64_t*>(hit_vecs), row,
+                      top_k, sort_size, vocab, &hist[0][0], topk_lp, topk_tok, topk_count);
+    return;
+  }
   // Pads: composite 0, below every real composite (token 0xFFFFFFFF).
   for (int i = lane; i < top_k; i += 32) out[i] = i < count ? cand[i] : 0;
   if (lane == 0) {
@@ -865,46 +998,11 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
     base = __shfl_sync(DDTREE_FULL, base, 0);
     if (v != 0) cand[base + __popc(ballot & ddtree_lanes_below())] = v;
   }
-  // Row statistics from the parts' (max, sum of exp(x - max), +inf count).
-  const float* st = part_stats + row * num_parts * 3;
-  float m = -DDTREE_INF, inf = 0.0f;
-  for (int p = tid; p < num_parts; p += threads) {
-    m = fmaxf(m, st[3 * p]);
-    inf += st[3 * p + 2];
-  }
-  const float row_max = ddtree_block_reduce_max(m, scratch);
-  float s = 0.0f;
-  if (row_max > -DDTREE_INF) {
-    for (int p = tid; p < num_parts; p += threads) {
-      if (st[3 * p] > -DDTREE_INF) s += st[3 * p + 1] * expf(st[3 * p] - row_max);
-    }
-  }
-  const float row_sum = ddtree_block_reduce_sum(s, scratch);
-  const float row_inf = ddtree_block_reduce_sum(inf, scratch);  // its barriers publish `found`
-  const int n = found;
-  if (n <= threads) {
-    // Usual with 256 threads: one pass over n entries per thread and one barrier, where the
-    // sorts below take a barrier per stage (and the select a serial warp before them). On the
-    // H200, B 32 K 64: 10.8 -> 8.1 us; ranking 2-5 candidates per thread was slower (B 128
-    // K 64 on 64 threads: 18.1 -> 22.3 us).
-    ddtree_rank_desc(cand, n, top_k, sorted);
-    __syncthreads();
-  } else if (n <= 2 * sort_size) {
-    // Few enough to sort them all: the top_k largest lead the sorted list, and the rest of
-    // `sorted` stays 0.
-    for (int i = tid; i < n; i += threads) sorted[i] = cand[i];
-    __syncthreads();
-    ddtree_bitonic_desc(sorted, n <= sort_size ? sort_size : 2 * sort_size);
-  } else {
-    // The top_k largest (the block finds the k-th), then their sort.
-    const uint64_t cut = ddtree_radix_select<true>(cand, n, top_k, true, hist, &select_scratch);
-    for (int i = tid; i < n; i += threads) {
-      const uint64_t v = cand[i];
-      if (v >= cut) sorted[atomicAdd(&counter, 1)] = v;  // exactly top_k are >= cut
-    }
-    __syncthreads();
-    ddtree_bitonic_desc(sorted, sort_size);
-  }
+  float row_max, row_sum, row_inf;
+  // A barrier in it publishes `found` and the gathered candidates.
+  ddtree_row_stats(part_stats + row * num_parts * 3, num_parts, scratch, row_max, row_sum,
+                   row_inf);
+  ddtree_order_row(cand, found, top_k, sort_size, sorted, hist, &select_scratch, &counter);
   ddtree_write_row(sorted, row, top_k, vocab, row_max, logf(row_sum), row_inf, scratch, topk_lp,
                    topk_tok, topk_count);
 }

@@ -447,10 +447,13 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) ddtree_channel_fini
 extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS)
     ddtree_channel_build_topk(const DdtreeChannelArgs* __restrict__ a, int32_t draft_len,
                               int32_t vocab, int32_t span, int32_t top_k, int32_t cap,
-                              int32_t vectorized, uint64_t* part_keys, float* part_stats) {
+                              int32_t vectorized, uint64_t* part_keys, float* part_stats,
+                              int32_t merge_here, int32_t sort_size, float* topk_lp,
+                              int32_t* topk_tok, int32_t* topk_count) {
   if (a->status != 0 || blockIdx.y >= (unsigned)(a->batch_size * draft_len)) return;
   ddtree_build_topk((const ddtree_logit_t*)a->ptr[DDTREE_B_LOGITS], a->temperature, vocab, span,
-                    top_k, cap, vectorized, part_keys, part_stats);
+                    top_k, cap, vectorized, part_keys, part_stats, merge_here, sort_size, topk_lp,
+                    topk_tok, topk_count);
 }
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_channel_build_merge(

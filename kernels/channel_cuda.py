@@ -401,8 +401,9 @@ class ChannelDevice:
 
         lp_bytes = align(rows * plan.top_k * 4)
         count_bytes = align(rows * 4)
-        part_bytes = align(rows * plan.num_parts * plan.top_k * 8)
-        stats_bytes = align(rows * plan.num_parts * 3 * 4)
+        parts = 0 if plan.merge_here else rows * plan.num_parts
+        part_bytes = align(parts * plan.top_k * 8)
+        stats_bytes = align(parts * 3 * 4)
         self.scratch = torch.empty(
             2 * lp_bytes + count_bytes + part_bytes + stats_bytes,
             dtype=torch.uint8,
@@ -502,24 +503,30 @@ class ChannelDevice:
             _i32(int(shape.is_vectorized)),
             self._part_keys,
             self._part_stats,
-            device=index,
-        )
-        jit.launch(
-            self._merge,
-            plan.merge,
-            args,
-            _i32(shape.draft_len),
-            self._part_keys,
-            self._part_stats,
-            _i32(plan.num_parts),
-            _i32(plan.top_k),
+            _i32(int(plan.merge_here)),
             _i32(plan.sort_size),
-            _i32(shape.vocab_size),
             self._topk_lp,
             self._topk_tok,
             self._topk_count,
             device=index,
         )
+        if not plan.merge_here:
+            jit.launch(
+                self._merge,
+                plan.merge,
+                args,
+                _i32(shape.draft_len),
+                self._part_keys,
+                self._part_stats,
+                _i32(plan.num_parts),
+                _i32(plan.top_k),
+                _i32(plan.sort_size),
+                _i32(shape.vocab_size),
+                self._topk_lp,
+                self._topk_tok,
+                self._topk_count,
+                device=index,
+            )
         jit.launch(
             self._select,
             plan.select,

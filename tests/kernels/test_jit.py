@@ -189,9 +189,22 @@ def test_build_tree_plan_covers_the_vocabulary(
     small = plan.num_parts * plan.top_k <= 512 and rows > 132 * 8
     merge_threads = 64 if small else 256
     assert plan.merge.block == (merge_threads, 1, 1)
+    # With one block per row and at most two waves of them (2 blocks per SM here), a block
+    # merges its row when its warps' top_k candidates each fit in the hit buffers, and the merge
+    # launch is skipped.
+    waves_ok = rows <= 2 * 132 * 2
+    assert plan.merge_here == (plan.num_chunks == 1 and waves_ok and 8 * plan.top_k <= 20 * hits)
     assert plan.select.grid == (batch_size, 1, 1)
     lp_table = draft_len * plan.top_k * 4 if plan.lp_in_smem else 0
     assert plan.select.shared_mem_bytes == lp_table
+
+
+def test_build_tree_plan_merges_in_the_topk_blocks_when_one_block_covers_a_row() -> None:
+    assert tree_cuda.build_tree_plan(32, 16, 163840, 64).merge_here  # 512 rows, 264 slots
+    assert tree_cuda.build_tree_plan(16, 32, 163840, 400).merge_here
+    assert not tree_cuda.build_tree_plan(1, 16, 163840, 64).merge_here  # 4 chunks a row
+    assert not tree_cuda.build_tree_plan(128, 16, 163840, 64).merge_here  # 8 waves
+    assert not tree_cuda.build_tree_plan(16, 32, 163840, 512).merge_here  # 8 x 512 > the room
 
 
 def test_build_tree_plan_rejects_what_does_not_fit() -> None:

@@ -137,6 +137,42 @@ def test_build_tree_matches_reference(
         assert_tree_valid(_tree_to(actual, "cpu"), vocab_size)
 
 
+@pytest.mark.parametrize("style", ["random", "ties", "flat", "peaked", "non-finite"])
+def test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch(
+    style: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one top-k block per row each block merges its own row; the trees must be bit for
+    bit those of the separate merge launch on the same logits (every ordering path: few
+    candidates ranked, all sorted, radix-selected past 2 * sort_size on flat rows)."""
+    batch_size, draft_len, vocab_size = 40, 8, 6000  # 320 rows: one block per row
+    logits = draft_logits(
+        batch_size,
+        draft_len,
+        vocab_size,
+        style="random" if style == "non-finite" else style,
+        dtype=torch.bfloat16,
+        seed=17,
+    )
+    if style == "non-finite":
+        logits = poison_rows(logits, seed=18)
+    logits = logits.cuda()
+    roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
+    planned = tree_cuda.device_build_tree_plan
+    for budget in (1, 64, 400):
+        assert planned(batch_size, draft_len, vocab_size, budget, 2, 0).merge_here
+        _poison_allocator()
+        here = tree_cuda.build_tree(logits, roots, budget, temperature=0.9)
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                tree_cuda,
+                "device_build_tree_plan",
+                lambda *args: dataclasses.replace(planned(*args), merge_here=False),
+            )
+            _poison_allocator()
+            launched = tree_cuda.build_tree(logits, roots, budget, temperature=0.9)
+        assert_same_tree(here, launched)
+
+
 @pytest.mark.parametrize("vocab_size", [64, 3000])
 def test_build_tree_non_finite_rows(vocab_size: int) -> None:
     logits = poison_rows(draft_logits(6, 5, vocab_size, seed=3), seed=4).cuda()
