@@ -32,14 +32,18 @@
 //    On random logits only O(K log(V / K)) entries ever pass. At the end every warp writes its
 //    statistics and its candidates at or above the final threshold (a superset of its share of
 //    the row's top K; its K largest if more than K are), padded with composite 0, as one "part"
-//    of the row.
+//    of the row. With merge_here (the plan's choice: one block per row, at most two waves of
+//    blocks, K <= 400 at UNROLL 4) the block instead gathers its warps' parts in its hit
+//    buffers and merges the row itself exactly as launch 2 would (ddtree_merge_here), and
+//    launch 2 is skipped.
 // 2. ddtree_build_merge  grid (rows), block of any multiple of 32 threads up to MERGE_THREADS
 //    (the plan's merge_threads), dynamic shared memory
 //    (num_parts * K + 2 * sort_size) * 8 bytes. Gathers the row's non-pad candidates, combines
-//    the parts' statistics into the row's log-sum-exp, orders the candidates (no more than
-//    the block's threads by ranking each against all; else bitonic, and when there are more
-//    than 2 * sort_size, only the top K after a radix select) and writes the sorted top-K
-//    tokens, their log-probabilities and the number of possible ones.
+//    the parts' statistics into the row's log-sum-exp (warp 0 alone up to 32 parts), orders
+//    the candidates (no more than the block's threads by ranking each against all; else
+//    bitonic, and when there are more than 2 * sort_size, only the top K after a radix select)
+//    and writes the sorted top-K tokens, their log-probabilities and the number of possible
+//    ones.
 // 3. ddtree_build_select  grid (batch_size), block SELECT_THREADS; warp 0 runs the best-first
 //    selection of one request, then the whole block writes the nodes and ancestor masks. The
 //    frontier (at most budget candidates) is split over the lanes, slot g owned by lane g % 32.
