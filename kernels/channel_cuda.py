@@ -35,6 +35,7 @@ from ddtree.kernels.channel import (
 )
 from ddtree.kernels.tree_cuda import (
     accept_launch_params,
+    build_scratch,
     commit_kv_launch_params,
     device_build_tree_plan,
     max_dynamic_smem,
@@ -394,27 +395,7 @@ class ChannelDevice:
         self._select = jit.get_kernel("channel.cu", "ddtree_channel_build_select", defines, index)
         for kernel in (self._topk, self._merge, self._select):
             jit.set_max_dynamic_smem(kernel, max_dynamic_smem(index), index)
-        rows = shape.max_batch_size * shape.draft_len
-
-        def align(n: int) -> int:
-            return -(-n // 256) * 256
-
-        lp_bytes = align(rows * plan.top_k * 4)
-        count_bytes = align(rows * 4)
-        parts = 0 if plan.merge_here else rows * plan.num_parts
-        part_bytes = align(parts * plan.top_k * 8)
-        stats_bytes = align(parts * 3 * 4)
-        self.scratch = torch.empty(
-            2 * lp_bytes + count_bytes + part_bytes + stats_bytes,
-            dtype=torch.uint8,
-            device=self.device,
-        )
-        base = self.scratch.data_ptr()
-        self._topk_lp = base
-        self._topk_tok = base + lp_bytes
-        self._topk_count = self._topk_tok + lp_bytes
-        self._part_keys = self._topk_count + count_bytes
-        self._part_stats = self._part_keys + part_bytes
+        self._scratch = build_scratch(plan, shape.max_batch_size * shape.draft_len, self.device)
 
     def _prepare_accept(self) -> None:
         shape, index = self.shape, self._index
@@ -501,13 +482,13 @@ class ChannelDevice:
             _i32(plan.top_k),
             _i32(plan.cap),
             _i32(int(shape.is_vectorized)),
-            self._part_keys,
-            self._part_stats,
+            self._scratch.part_keys,
+            self._scratch.part_stats,
             _i32(int(plan.merge_here)),
             _i32(plan.sort_size),
-            self._topk_lp,
-            self._topk_tok,
-            self._topk_count,
+            self._scratch.topk_lp,
+            self._scratch.topk_tok,
+            self._scratch.topk_count,
             device=index,
         )
         if not plan.merge_here:
@@ -516,24 +497,24 @@ class ChannelDevice:
                 plan.merge,
                 args,
                 _i32(shape.draft_len),
-                self._part_keys,
-                self._part_stats,
+                self._scratch.part_keys,
+                self._scratch.part_stats,
                 _i32(plan.num_parts),
                 _i32(plan.top_k),
                 _i32(plan.sort_size),
                 _i32(shape.vocab_size),
-                self._topk_lp,
-                self._topk_tok,
-                self._topk_count,
+                self._scratch.topk_lp,
+                self._scratch.topk_tok,
+                self._scratch.topk_count,
                 device=index,
             )
         jit.launch(
             self._select,
             plan.select,
             args,
-            self._topk_lp,
-            self._topk_tok,
-            self._topk_count,
+            self._scratch.topk_lp,
+            self._scratch.topk_tok,
+            self._scratch.topk_count,
             _i32(shape.vocab_size),
             _i32(shape.draft_len),
             _i32(plan.top_k),

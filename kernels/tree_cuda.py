@@ -24,9 +24,11 @@ from ddtree.kernels import checks, jit
 from ddtree.kernels.types import MAX_DRAFT_LEN, Acceptance, Tree, mask_words
 
 __all__ = [
+    "BuildScratch",
     "BuildTreePlan",
     "accept",
     "accept_launch_params",
+    "build_scratch",
     "build_tree",
     "build_tree_plan",
     "commit_kv",
@@ -319,6 +321,41 @@ def _align(nbytes: int) -> int:
     return -(-nbytes // 256) * 256
 
 
+@dataclass(frozen=True)
+class BuildScratch:
+    """Device scratch of the ``build_tree`` launches: one uint8 allocation (``memory``) and the
+    device pointers of its regions, each 256-byte aligned."""
+
+    memory: torch.Tensor
+    topk_lp: int
+    """[rows, top_k] fp32 log-probs of each row's top-K."""
+    topk_tok: int
+    """[rows, top_k] int32 tokens."""
+    topk_count: int
+    """[rows] int32 possible tokens."""
+    part_keys: int
+    """[rows, num_parts, top_k] uint64 candidate composites (empty with ``plan.merge_here``)."""
+    part_stats: int
+    """[rows, num_parts, 3] fp32 statistics (empty with ``plan.merge_here``)."""
+
+
+def build_scratch(plan: BuildTreePlan, rows: int, device: torch.device) -> BuildScratch:
+    """Allocate the scratch of ``plan``'s launches over ``rows`` (request, depth) rows."""
+    lp_bytes = _align(rows * plan.top_k * 4)
+    count_bytes = _align(rows * 4)
+    parts = 0 if plan.merge_here else rows * plan.num_parts
+    part_bytes = _align(parts * plan.top_k * 8)
+    stats_bytes = _align(parts * 3 * 4)
+    memory = torch.empty(
+        2 * lp_bytes + count_bytes + part_bytes + stats_bytes, dtype=torch.uint8, device=device
+    )
+    topk_lp = memory.data_ptr()
+    topk_tok = topk_lp + lp_bytes
+    topk_count = topk_tok + lp_bytes
+    part_keys = topk_count + count_bytes
+    return BuildScratch(memory, topk_lp, topk_tok, topk_count, part_keys, part_keys + part_bytes)
+
+
 def build_tree(
     draft_logits: torch.Tensor,
     root_tokens: torch.Tensor,
@@ -360,22 +397,7 @@ def build_tree(
     words = mask_words(num_nodes_max)
     vectorized = vocab_size % (16 // element) == 0 and draft_logits.data_ptr() % 16 == 0
 
-    # One scratch allocation: [rows, top_k] log-probs (fp32) and tokens (int32), [rows] counts,
-    # and unless the top-k blocks merge their rows, [rows, parts, top_k] candidate composites
-    # and [rows, parts, 3] statistics.
-    lp_bytes = _align(rows * plan.top_k * 4)
-    count_bytes = _align(rows * 4)
-    parts = 0 if plan.merge_here else rows * plan.num_parts
-    part_bytes = _align(parts * plan.top_k * 8)
-    stats_bytes = _align(parts * 3 * 4)
-    scratch = torch.empty(
-        2 * lp_bytes + count_bytes + part_bytes + stats_bytes, dtype=torch.uint8, device=device
-    )
-    topk_lp = scratch.data_ptr()
-    topk_tok = topk_lp + lp_bytes
-    topk_count = topk_tok + lp_bytes
-    part_keys = topk_count + count_bytes
-    part_stats = part_keys + part_bytes
+    scratch = build_scratch(plan, rows, device)
     tree = (
         out
         if out is not None
@@ -402,36 +424,36 @@ def build_tree(
             _i32(plan.top_k),
             _i32(plan.cap),
             _i32(int(vectorized)),
-            part_keys,
-            part_stats,
+            scratch.part_keys,
+            scratch.part_stats,
             _i32(int(plan.merge_here)),
             _i32(plan.sort_size),
-            topk_lp,
-            topk_tok,
-            topk_count,
+            scratch.topk_lp,
+            scratch.topk_tok,
+            scratch.topk_count,
             device=index,
         )
         if not plan.merge_here:
             jit.launch(
                 _build_kernel("ddtree_build_merge", code, variant, index),
                 plan.merge,
-                part_keys,
-                part_stats,
+                scratch.part_keys,
+                scratch.part_stats,
                 _i32(plan.num_parts),
                 _i32(plan.top_k),
                 _i32(plan.sort_size),
                 _i32(vocab_size),
-                topk_lp,
-                topk_tok,
-                topk_count,
+                scratch.topk_lp,
+                scratch.topk_tok,
+                scratch.topk_count,
                 device=index,
             )
         jit.launch(
             _build_kernel("ddtree_build_select", code, variant, index),
             plan.select,
-            topk_lp,
-            topk_tok,
-            topk_count,
+            scratch.topk_lp,
+            scratch.topk_tok,
+            scratch.topk_count,
             _ptr(root_tokens),
             _ptr(budgets),
             _ptr(flags),

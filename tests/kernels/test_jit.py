@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from ddtree.kernels import jit, tree_cuda
 
@@ -205,6 +206,20 @@ def test_build_tree_plan_merges_in_the_topk_blocks_when_one_block_covers_a_row()
     assert not tree_cuda.build_tree_plan(1, 16, 163840, 64).merge_here  # 4 chunks a row
     assert not tree_cuda.build_tree_plan(128, 16, 163840, 64).merge_here  # 8 waves
     assert not tree_cuda.build_tree_plan(16, 32, 163840, 512).merge_here  # 8 x 512 > the room
+
+
+@pytest.mark.parametrize("batch_size", [32, 128], ids=["merge-here", "merge-launch"])
+def test_build_scratch_lays_out_the_plans_regions(batch_size: int) -> None:
+    plan = tree_cuda.build_tree_plan(batch_size, 16, 163840, 64)
+    rows = batch_size * 16
+    scratch = tree_cuda.build_scratch(plan, rows, torch.device("cpu"))
+    parts = 0 if plan.merge_here else rows * plan.num_parts
+    sizes = [rows * 64 * 4, rows * 64 * 4, rows * 4, parts * 64 * 8, parts * 3 * 4]
+    starts = [scratch.topk_lp, scratch.topk_tok, scratch.topk_count, scratch.part_keys]
+    starts += [scratch.part_stats, scratch.memory.data_ptr() + scratch.memory.numel()]
+    assert starts[0] == scratch.memory.data_ptr()
+    for size, start, end in zip(sizes, starts[:-1], starts[1:], strict=True):
+        assert end - start == -(-size // 256) * 256  # each region 256-byte aligned, in order
 
 
 def test_build_tree_plan_rejects_what_does_not_fit() -> None:
