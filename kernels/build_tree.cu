@@ -117,26 +117,45 @@ __device__ __forceinline__ uint32_t ddtree_lanes_below() {
   return (1u << (threadIdx.x & 31)) - 1u;
 }
 
-__device__ __forceinline__ float ddtree_block_reduce_max(float v, float* scratch) {
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < warps ? scratch[lane] : -DDTREE_INF;
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+// The warp's largest v / sum of v, in every lane (an xor-shuffle tree: the same bits in every
+// caller for the same lane values). One whole warp calls them.
+__device__ __forceinline__ float ddtree_warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(DDTREE_FULL, v, off));
   return v;
 }
 
-__device__ __forceinline__ float ddtree_block_reduce_sum(float v, float* scratch) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+__device__ __forceinline__ float ddtree_warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(DDTREE_FULL, v, off);
+  return v;
+}
+
+// Combines the lanes' statistics (max m, sum s of exp(x - m), +inf count) into the warp's, in
+// every lane: the largest max, the sums rescaled to it and added, the +inf count.
+__device__ __forceinline__ void ddtree_warp_stats(float& m, float& s, float& infs) {
+  const float top = ddtree_warp_max(m);
+  s = ddtree_warp_sum(m > -DDTREE_INF ? s * expf(m - top) : 0.0f);
+  infs = ddtree_warp_sum(infs);
+  m = top;
+}
+
+__device__ __forceinline__ float ddtree_block_reduce_max(float v, float* scratch) {
+  v = ddtree_warp_max(v);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   __syncthreads();
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  v = lane < warps ? scratch[lane] : 0.0f;
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-  return v;
+  return ddtree_warp_max(lane < warps ? scratch[lane] : -DDTREE_INF);
+}
+
+__device__ __forceinline__ float ddtree_block_reduce_sum(float v, float* scratch) {
+  v = ddtree_warp_sum(v);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  return ddtree_warp_sum(lane < warps ? scratch[lane] : 0.0f);
 }
 
 // Sorts sorted[0, size) descending (size a power of two). Every thread of the block must call it.
@@ -385,18 +404,11 @@ __device__ void ddtree_row_stats(const float* st, int num_parts, float* scratch,
     if (tid < 32) {
       const bool mine = tid < num_parts;
       float m = mine ? st[3 * tid] : -DDTREE_INF;
+      float s = mine ? st[3 * tid + 1] : 0.0f;
       float inf = mine ? st[3 * tid + 2] : 0.0f;
-      float top = m;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(DDTREE_FULL, top, off));
-      float s = top > -DDTREE_INF && m > -DDTREE_INF ? st[3 * tid + 1] * expf(m - top) : 0.0f;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        s += __shfl_xor_sync(DDTREE_FULL, s, off);
-        inf += __shfl_xor_sync(DDTREE_FULL, inf, off);
-      }
+      ddtree_warp_stats(m, s, inf);
       if (tid == 0) {
-        scratch[0] = top;
+        scratch[0] = m;
         scratch[1] = s;
         scratch[2] = inf;
       }
@@ -930,15 +942,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
                                     cand, hit_vec, hit_token, hist[warp], &threshold,
                                     first_threshold, warp_bound, m, s, infs);
   }
-  float wm = m;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) wm = fmaxf(wm, __shfl_xor_sync(DDTREE_FULL, wm, off));
-  float ws = m > -DDTREE_INF ? s * expf(m - wm) : 0.0f;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    ws += __shfl_xor_sync(DDTREE_FULL, ws, off);
-    infs += __shfl_xor_sync(DDTREE_FULL, infs, off);
-  }
+  ddtree_warp_stats(m, s, infs);  // the warp's statistics, in every lane
   __syncthreads();  // every warp is done: the block threshold is final
   const uint64_t final_threshold = threshold;
   const int64_t parts = (int64_t)gridDim.x * TOPK_WARPS;
@@ -953,7 +957,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
     count = ddtree_warp_shrink(cand, count, top_k, top_k, hist[warp], &kept_from);
   }
   if (merge_here) {
-    ddtree_merge_here(cand, count, wm, ws, infs, smem, reinterpret_cast<uint64_t*>(hit_vecs), row,
+    ddtree_merge_here(cand, count, m, s, infs, smem, reinterpret_cast<uint64_t*>(hit_vecs), row,
                       top_k, sort_size, vocab, &hist[0][0], topk_lp, topk_tok, topk_count);
     return;
   }
@@ -961,8 +965,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   for (int i = lane; i < top_k; i += 32) out[i] = i < count ? cand[i] : 0;
   if (lane == 0) {
     float* stats = part_stats + part * 3;
-    stats[0] = wm;
-    stats[1] = ws;
+    stats[0] = m;
+    stats[1] = s;
     stats[2] = infs;
   }
 }
