@@ -1496,6 +1496,15 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
     slot[0] = ddtree_make_slot(key, 0, 0, 1, 0.0f, draft_len, top_k, lp, counts);
   }
   int size = 1, popped = 0;
+  // Puts candidate c in a fresh slot (a register mask picks it: see above).
+  auto insert = [&](const ddtree_reg_slot& c) {
+    const int fresh = size++;
+    const uint32_t fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
+#pragma unroll
+    for (int r = 0; r < REGS; ++r) {
+      if (fresh_reg & (1u << r)) slot[r] = c;
+    }
+  };
   // The frontier's best key when the last round computed it (the `rest` below), else 0.
   uint32_t known_top = 0u;
   while (popped < budget) {
@@ -1644,24 +1653,12 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
       const ddtree_reg_slot other_successor = c_first ? s : c;
       next = c_first ? c : s;
       if (other_successor.key != 0u) {
-        const int fresh = size++;
-        const uint32_t fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
-#pragma unroll
-        for (int r = 0; r < REGS; ++r) {
-          if (fresh_reg & (1u << r)) slot[r] = other_successor;
-        }
+        insert(other_successor);
         rest = max(rest, other_successor.key);
       }
     }
     if (popped == budget) break;
-    if (next.key != 0u) {  // the chain's last successor joins the frontier
-      const int fresh = size++;
-      const uint32_t fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
-#pragma unroll
-      for (int r = 0; r < REGS; ++r) {
-        if (fresh_reg & (1u << r)) slot[r] = next;
-      }
-    }
+    if (next.key != 0u) insert(next);  // the chain's last successor joins the frontier
     known_top = rest;  // no slot holds more: `next` and every inserted key are at most rest
   }
   __syncwarp();  // the node tables are complete
