@@ -56,7 +56,15 @@ B 128 K 64, 2048 rows, 17.6 instead of 33.1 us), while rows that fit one wave me
 256 threads (B 32 K 64, 512 rows: 10.8 against 12.0 us; docs/kernels.md, session 11)."""
 _MERGE_SMALL_ROW = 512
 _MERGE_RESIDENT = 2048 // _MERGE_THREADS
-_SELECT_THREADS = 128
+_SELECT_THREADS = 512
+"""Threads of a select block: the serial pops use one warp, the wide select all of them (H200,
+B 32 budget 256, the wide select launch alone: 31 us at 512 threads, 40 at 1024; session 14)."""
+_SELECT_REGISTER_BUDGET = 96
+"""Budgets up to this many nodes pop from registers (build_tree.cu); larger ones use the wide
+select when the plan gives it a store."""
+_WIDE_MAX_CAP = 4096
+"""Most nodes of the wide select's store (``4 * max_budget`` at most; its packed node indices
+need 16 bits)."""
 _ACCEPT_THREADS = 256
 _ACCEPT_LOGIT_THREADS = 1024
 _COMMIT_THREADS = 128
@@ -110,6 +118,12 @@ class BuildTreePlan:
     * 32 * (unroll + 1)``, top_k up to 400 at unroll 4)."""
     lp_in_smem: bool
     """Whether the select kernel copies the per-depth log-prob table to shared memory."""
+    wide_cap: int
+    """Nodes of the wide select's store (0: no wide select; every budget pops serially): between
+    ``2 * max_budget`` and ``4 * max_budget`` (at most ``_WIDE_MAX_CAP``) when ``max_budget >
+    96`` and the store fits in shared memory (beside the log-prob table if possible)."""
+    wide_sort_size: int
+    """Power of two >= max_budget, the wide select's sort width."""
     topk: jit.LaunchParams
     merge: jit.LaunchParams
     select: jit.LaunchParams
@@ -221,6 +235,20 @@ def build_tree_plan(
     merge_threads = _MERGE_THREADS_SMALL if small else _MERGE_THREADS
     lp_bytes = draft_len * top_k * 4
     lp_in_smem = lp_bytes <= max_smem_bytes
+    wide_sort_size = 1 << max(0, (max_budget - 1).bit_length())
+    wide_cap = 0
+    if max_budget > _SELECT_REGISTER_BUDGET:
+        # The largest store that fits beside the table, else alone (the table stays global).
+        for table in (-(-lp_bytes // 16) * 16, 0) if lp_in_smem else (0,):
+            room = (max_smem_bytes - table - 16 * wide_sort_size - 4) // 25 // 256 * 256
+            nodes = min(room, 4 * max_budget, _WIDE_MAX_CAP)
+            if nodes >= 2 * max_budget:
+                wide_cap = nodes
+                lp_in_smem = table > 0
+                break
+    select_smem = (-(-lp_bytes // 16) * 16 if lp_in_smem else 0) + (
+        wide_select_bytes(wide_cap, wide_sort_size) if wide_cap else 0
+    )
     return BuildTreePlan(
         top_k=top_k,
         warps=warps,
@@ -234,12 +262,19 @@ def build_tree_plan(
         sort_size=sort_size,
         merge_here=merge_here,
         lp_in_smem=lp_in_smem,
+        wide_cap=wide_cap,
+        wide_sort_size=wide_sort_size,
         topk=jit.LaunchParams((num_chunks, rows, 1), (warps * 32, 1, 1), topk_smem),
         merge=jit.LaunchParams((rows, 1, 1), (merge_threads, 1, 1), merge_smem),
-        select=jit.LaunchParams(
-            (batch_size, 1, 1), (_SELECT_THREADS, 1, 1), lp_bytes if lp_in_smem else 0
-        ),
+        select=jit.LaunchParams((batch_size, 1, 1), (_SELECT_THREADS, 1, 1), select_smem),
     )
+
+
+def wide_select_bytes(cap: int, sort_size: int) -> int:
+    """Shared memory of the wide select's store for ``cap`` nodes and a sort of ``sort_size``
+    (build_tree.cu: 8-byte composites, the 2 * sort_size sort buffer, fp32 scores, two int32
+    work arrays, int16 parents and ranks, int8 depths)."""
+    return 25 * cap + 16 * sort_size + 4
 
 
 def accept_launch_params(batch_size: int, *, reads_logits: bool) -> jit.LaunchParams:
@@ -471,6 +506,8 @@ def build_tree(
             _i32(int(plan.lp_in_smem)),
             _i32(batch_size),
             _i32(int(out is not None)),
+            _i32(plan.wide_cap),
+            _i32(plan.wide_sort_size),
             device=index,
         )
     return tree

@@ -196,8 +196,10 @@ def test_build_tree_plan_covers_the_vocabulary(
     waves_ok = rows <= 2 * 132 * 2
     assert plan.merge_here == (plan.num_chunks == 1 and waves_ok and 8 * plan.top_k <= 20 * hits)
     assert plan.select.grid == (batch_size, 1, 1)
-    lp_table = draft_len * plan.top_k * 4 if plan.lp_in_smem else 0
-    assert plan.select.shared_mem_bytes == lp_table
+    lp_table = -(-draft_len * plan.top_k * 4 // 16) * 16 if plan.lp_in_smem else 0
+    wide = tree_cuda.wide_select_bytes(plan.wide_cap, plan.wide_sort_size) if plan.wide_cap else 0
+    assert plan.select.shared_mem_bytes == lp_table + wide
+    assert plan.wide_cap == 0 or 2 * max_budget <= plan.wide_cap <= min(4 * max_budget, 4096)
 
 
 def test_build_tree_plan_merges_in_the_topk_blocks_when_one_block_covers_a_row() -> None:
@@ -206,6 +208,22 @@ def test_build_tree_plan_merges_in_the_topk_blocks_when_one_block_covers_a_row()
     assert not tree_cuda.build_tree_plan(1, 16, 163840, 64).merge_here  # 4 chunks a row
     assert not tree_cuda.build_tree_plan(128, 16, 163840, 64).merge_here  # 8 waves
     assert not tree_cuda.build_tree_plan(16, 32, 163840, 512).merge_here  # 8 x 512 > the room
+
+
+def test_build_tree_plan_gives_the_wide_select_a_store() -> None:
+    plan = tree_cuda.build_tree_plan
+    assert plan(32, 16, 163840, 96).wide_cap == 0  # every budget pops from registers
+    assert plan(32, 16, 163840, 256).wide_cap == 1024  # 4 * max_budget beside the table
+    full = plan(32, 16, 163840, 1024)
+    assert (full.wide_cap, full.wide_sort_size, full.lp_in_smem) == (4096, 1024, True)
+    tiny_vocab = plan(4, 16, 8, 1024)  # budgets past top_k: the store follows max_budget
+    assert (tiny_vocab.wide_cap, tiny_vocab.wide_sort_size) == (4096, 1024)
+    # Short of room the table goes to global memory first, then the store shrinks to 2x.
+    deep = plan(1, 32, 163840, 1024, max_smem_bytes=190 * 1024)
+    assert (deep.wide_cap, deep.lp_in_smem) == (4096, False)
+    small = plan(32, 16, 163840, 1024, max_smem_bytes=70 * 1024)
+    assert (small.wide_cap, small.lp_in_smem) == (2048, False)
+    assert plan(32, 16, 163840, 1024, max_smem_bytes=63 * 1024).wide_cap == 0  # sm_120
 
 
 @pytest.mark.parametrize("batch_size", [32, 128], ids=["merge-here", "merge-launch"])

@@ -173,6 +173,50 @@ def test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch(
         assert_same_tree(here, launched)
 
 
+@pytest.mark.parametrize("style", ["random", "ties", "flat", "peaked", "non-finite"])
+@pytest.mark.parametrize("vocab_size", [8, 3000])
+def test_build_tree_wide_select_matches_the_serial_select(
+    style: str, vocab_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Budgets above 96 take the wide select (every node above a rising threshold, level by
+    level); its trees must be bit for bit those of the serial pops, at ragged budgets 0..1024,
+    with the plan's store and with the smallest one (2 * max_budget nodes: more compactions and
+    raises; flat rows over 8 tokens tie wider than it holds and fall back to the serial pops)."""
+    batch_size, draft_len, max_budget = 12, 16, 1024
+    logits = draft_logits(
+        batch_size,
+        draft_len,
+        vocab_size,
+        style="random" if style == "non-finite" else style,
+        dtype=torch.bfloat16,
+        seed=23,
+    )
+    if style == "non-finite":
+        logits = poison_rows(logits, seed=24)
+    logits = logits.cuda()
+    roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
+    budgets = torch.tensor([0, 1, 64, 96, 97, 128, 255, 256, 511, 700, 1023, 1024], device="cuda")
+    planned = tree_cuda.device_build_tree_plan
+    assert planned(batch_size, draft_len, vocab_size, max_budget, 2, 0).wide_cap > 0
+
+    def build(wide_cap: int | None) -> Tree:
+        with monkeypatch.context() as patch:
+            if wide_cap is not None:
+                patch.setattr(
+                    tree_cuda,
+                    "device_build_tree_plan",
+                    lambda *args: dataclasses.replace(planned(*args), wide_cap=wide_cap),
+                )
+            _poison_allocator()
+            return tree_cuda.build_tree(
+                logits, roots, budgets, temperature=0.9, max_budget=max_budget
+            )
+
+    serial = build(0)
+    assert_same_tree(build(None), serial)
+    assert_same_tree(build(2 * max_budget), serial)
+
+
 @pytest.mark.parametrize("vocab_size", [64, 3000])
 def test_build_tree_non_finite_rows(vocab_size: int) -> None:
     logits = poison_rows(draft_logits(6, 5, vocab_size, seed=3), seed=4).cuda()
