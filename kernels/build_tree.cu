@@ -62,8 +62,9 @@
 //    it beats the rest of the frontier strictly (one more reduction gives the rest's best key),
 //    and so on along a chain that needs no reduction; within a chain, a run of next siblings
 //    that beat the run's first children and the rest is popped in one warp step
-//    (ddtree_sibling_run). Budgets above 96, when the plan gives the launch a store (wide_cap
-//    nodes), take the wide select instead (ddtree_select_pops_wide): the whole block lists every
+//    (ddtree_sibling_run). Budgets of at least wide_min_budget, when the plan gives the launch a
+//    store (wide_cap nodes), take the wide select instead (ddtree_select_pops_wide; the plan's
+//    choice: above 96): the whole block lists every
 //    node above a rising score threshold level by level and orders them, and falls back to the
 //    serial pops only when exact ties at the budget-th score outnumber half the store. Shared
 //    memory: the popped nodes, plus the per-depth log-prob table when it fits, plus the wide
@@ -1672,8 +1673,8 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
 }
 
 // ---------------------------------------------------------------------------------------------
-// The wide select (budgets above the register path's, when the plan gives it a store): the whole
-// block finds the same pops as the serial paths without popping one node at a time.
+// The wide select (the plan's larger budgets, when it gives the launch a store): the whole block
+// finds the same pops as the serial paths without popping one node at a time.
 //
 // The set of nodes whose score key is >= t is closed under parents and earlier siblings (log-
 // probs are <= 0 and rows sorted), so it can be listed level by level: a node's children at or
@@ -2020,7 +2021,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
     int64_t* __restrict__ mask,       // [batch, num_nodes_max, words]
     int32_t vocab, int32_t draft_len, int32_t top_k, int32_t num_nodes_max, int32_t words,
     int32_t lp_in_smem, int32_t batch, int32_t all_or_nothing, int32_t wide_cap,
-    int32_t sort_size) {
+    int32_t wide_min_budget, int32_t sort_size) {
   // [draft_len, top_k] when lp_in_smem, then (16-byte aligned) the wide select's store when
   // wide_cap > 0.
   extern __shared__ __align__(16) float lp_table[];
@@ -2081,7 +2082,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   const int budget = skip ? 0 : min(max(budgets[b], 0), num_nodes_max - 1);
 
   int popped = -1;
-  if (budget > 96 && wide_cap > 0) {
+  if (wide_cap > 0 && budget >= wide_min_budget) {
     const int lp_floats = lp_in_smem ? (draft_len * top_k + 3) / 4 * 4 : 0;
     popped = ddtree_select_pops_wide(budget, draft_len, top_k, lp, counts,
                                      reinterpret_cast<unsigned char*>(lp_table + lp_floats),

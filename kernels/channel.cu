@@ -469,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_channel_buil
     const DdtreeChannelArgs* __restrict__ a, const float* topk_lp, const int32_t* topk_tok,
     const int32_t* topk_count, int32_t vocab, int32_t draft_len, int32_t top_k,
     int32_t num_nodes_max, int32_t words, int32_t lp_in_smem, int32_t wide_cap,
-    int32_t sort_size) {
+    int32_t wide_min_budget, int32_t sort_size) {
   if (a->status != 0 || blockIdx.x >= (unsigned)a->batch_size) return;
   ddtree_build_select(topk_lp, topk_tok, topk_count, (const int64_t*)a->ptr[DDTREE_B_ROOTS],
                       (const int32_t*)a->ptr[DDTREE_B_BUDGETS], (int32_t*)a->ptr[DDTREE_B_FLAGS],
@@ -477,7 +477,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_channel_buil
                       (int32_t*)a->ptr[DDTREE_B_DEPTHS], (float*)a->ptr[DDTREE_B_LOG_PROBS],
                       (int32_t*)a->ptr[DDTREE_B_NUM_NODES], (int64_t*)a->ptr[DDTREE_B_MASK],
                       vocab, draft_len, top_k, num_nodes_max, words, lp_in_smem, a->batch_size,
-                      0, wide_cap, sort_size);
+                      0, wide_cap, wide_min_budget, sort_size);
 }
 #endif
 

@@ -522,6 +522,7 @@ class ChannelDevice:
             _i32(mask_words(shape.num_nodes_max)),
             _i32(int(plan.lp_in_smem)),
             _i32(plan.wide_cap),
+            _i32(plan.wide_min_budget),
             _i32(plan.wide_sort_size),
             device=index,
         )

@@ -59,9 +59,10 @@ _MERGE_RESIDENT = 2048 // _MERGE_THREADS
 _SELECT_THREADS = 512
 """Threads of a select block: the serial pops use one warp, the wide select all of them (H200,
 B 32 budget 256, the wide select launch alone: 31 us at 512 threads, 40 at 1024; session 14)."""
-_SELECT_REGISTER_BUDGET = 96
-"""Budgets up to this many nodes pop from registers (build_tree.cu); larger ones use the wide
-select when the plan gives it a store."""
+_WIDE_MIN_BUDGET = 97
+"""Budgets from this many nodes take the wide select; smaller ones pop serially from registers
+(build_tree.cu). On the H200 the wide select won at budget 96 but lost at 16 and, on peaked
+logits, at 64 (B 32, select alone: 98 against 51 us; docs/kernels.md, session 14)."""
 _WIDE_MAX_CAP = 4096
 """Most nodes of the wide select's store (``4 * max_budget`` at most; its packed node indices
 need 16 bits)."""
@@ -120,8 +121,11 @@ class BuildTreePlan:
     """Whether the select kernel copies the per-depth log-prob table to shared memory."""
     wide_cap: int
     """Nodes of the wide select's store (0: no wide select; every budget pops serially): between
-    ``2 * max_budget`` and ``4 * max_budget`` (at most ``_WIDE_MAX_CAP``) when ``max_budget >
-    96`` and the store fits in shared memory (beside the log-prob table if possible)."""
+    ``2 * max_budget`` and ``4 * max_budget`` (at most ``_WIDE_MAX_CAP``) when ``max_budget >=
+    wide_min_budget`` and the store fits in shared memory (beside the log-prob table if
+    possible)."""
+    wide_min_budget: int
+    """The smallest budget that takes the wide select (``_WIDE_MIN_BUDGET``)."""
     wide_sort_size: int
     """Power of two >= max_budget, the wide select's sort width."""
     topk: jit.LaunchParams
@@ -237,7 +241,7 @@ def build_tree_plan(
     lp_in_smem = lp_bytes <= max_smem_bytes
     wide_sort_size = 1 << max(0, (max_budget - 1).bit_length())
     wide_cap = 0
-    if max_budget > _SELECT_REGISTER_BUDGET:
+    if max_budget >= _WIDE_MIN_BUDGET:
         # The largest store that fits beside the table, else alone (the table stays global).
         for table in (-(-lp_bytes // 16) * 16, 0) if lp_in_smem else (0,):
             room = (max_smem_bytes - table - 16 * wide_sort_size - 4) // 25 // 256 * 256
@@ -263,6 +267,7 @@ def build_tree_plan(
         merge_here=merge_here,
         lp_in_smem=lp_in_smem,
         wide_cap=wide_cap,
+        wide_min_budget=_WIDE_MIN_BUDGET,
         wide_sort_size=wide_sort_size,
         topk=jit.LaunchParams((num_chunks, rows, 1), (warps * 32, 1, 1), topk_smem),
         merge=jit.LaunchParams((rows, 1, 1), (merge_threads, 1, 1), merge_smem),
@@ -507,6 +512,7 @@ def build_tree(
             _i32(batch_size),
             _i32(int(out is not None)),
             _i32(plan.wide_cap),
+            _i32(plan.wide_min_budget),
             _i32(plan.wide_sort_size),
             device=index,
         )

@@ -216,6 +216,7 @@ def test_build_tree_plan_gives_the_wide_select_a_store() -> None:
     assert plan(32, 16, 163840, 256).wide_cap == 1024  # 4 * max_budget beside the table
     full = plan(32, 16, 163840, 1024)
     assert (full.wide_cap, full.wide_sort_size, full.lp_in_smem) == (4096, 1024, True)
+    assert full.wide_min_budget == 97  # budgets up to 96 pop from registers
     tiny_vocab = plan(4, 16, 8, 1024)  # budgets past top_k: the store follows max_budget
     assert (tiny_vocab.wide_cap, tiny_vocab.wide_sort_size) == (4096, 1024)
     # Short of room the table goes to global memory first, then the store shrinks to 2x.

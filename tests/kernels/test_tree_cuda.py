@@ -180,8 +180,9 @@ def test_build_tree_wide_select_matches_the_serial_select(
 ) -> None:
     """Budgets above 96 take the wide select (every node above a rising threshold, level by
     level); its trees must be bit for bit those of the serial pops, at ragged budgets 0..1024,
-    with the plan's store and with the smallest one (2 * max_budget nodes: more compactions and
-    raises; flat rows over 8 tokens tie wider than it holds and fall back to the serial pops)."""
+    with the plan's store, with the smallest one (2 * max_budget nodes: more compactions and
+    raises; flat rows over 8 tokens tie wider than it holds and fall back to the serial pops)
+    and for every budget from 1 (the register path's budgets too)."""
     batch_size, draft_len, max_budget = 12, 16, 1024
     logits = draft_logits(
         batch_size,
@@ -199,22 +200,22 @@ def test_build_tree_wide_select_matches_the_serial_select(
     planned = tree_cuda.device_build_tree_plan
     assert planned(batch_size, draft_len, vocab_size, max_budget, 2, 0).wide_cap > 0
 
-    def build(wide_cap: int | None) -> Tree:
+    def build(**change: int) -> Tree:
         with monkeypatch.context() as patch:
-            if wide_cap is not None:
-                patch.setattr(
-                    tree_cuda,
-                    "device_build_tree_plan",
-                    lambda *args: dataclasses.replace(planned(*args), wide_cap=wide_cap),
-                )
+            patch.setattr(
+                tree_cuda,
+                "device_build_tree_plan",
+                lambda *args: dataclasses.replace(planned(*args), **change),
+            )
             _poison_allocator()
             return tree_cuda.build_tree(
                 logits, roots, budgets, temperature=0.9, max_budget=max_budget
             )
 
-    serial = build(0)
-    assert_same_tree(build(None), serial)
-    assert_same_tree(build(2 * max_budget), serial)
+    serial = build(wide_cap=0)
+    assert_same_tree(build(), serial)
+    assert_same_tree(build(wide_cap=2 * max_budget), serial)
+    assert_same_tree(build(wide_min_budget=1), serial)
 
 
 @pytest.mark.parametrize("vocab_size", [64, 3000])
