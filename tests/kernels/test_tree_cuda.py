@@ -137,6 +137,24 @@ def test_build_tree_matches_reference(
         assert_tree_valid(_tree_to(actual, "cpu"), vocab_size)
 
 
+def _styled_bf16_logits(
+    batch_size: int, draft_len: int, vocab_size: int, style: str, seed: int
+) -> torch.Tensor:
+    """bf16 draft logits on the GPU in a ``draft_logits`` style, or ``non-finite``: random ones
+    with non-finite rows."""
+    logits = draft_logits(
+        batch_size,
+        draft_len,
+        vocab_size,
+        style="random" if style == "non-finite" else style,
+        dtype=torch.bfloat16,
+        seed=seed,
+    )
+    if style == "non-finite":
+        logits = poison_rows(logits, seed=seed + 1)
+    return logits.cuda()
+
+
 @pytest.mark.parametrize("style", ["random", "ties", "flat", "peaked", "non-finite"])
 def test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch(
     style: str, monkeypatch: pytest.MonkeyPatch
@@ -145,17 +163,7 @@ def test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch(
     bit those of the separate merge launch on the same logits (every ordering path: few
     candidates ranked, all sorted, radix-selected past 2 * sort_size on flat rows)."""
     batch_size, draft_len, vocab_size = 40, 8, 6000  # 320 rows: one block per row
-    logits = draft_logits(
-        batch_size,
-        draft_len,
-        vocab_size,
-        style="random" if style == "non-finite" else style,
-        dtype=torch.bfloat16,
-        seed=17,
-    )
-    if style == "non-finite":
-        logits = poison_rows(logits, seed=18)
-    logits = logits.cuda()
+    logits = _styled_bf16_logits(batch_size, draft_len, vocab_size, style, seed=17)
     roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
     planned = tree_cuda.device_build_tree_plan
     for budget in (1, 64, 400):
@@ -184,17 +192,7 @@ def test_build_tree_wide_select_matches_the_serial_select(
     raises; flat rows over 8 tokens tie wider than it holds and fall back to the serial pops)
     and for every budget from 1 (the register path's budgets too)."""
     batch_size, draft_len, max_budget = 12, 16, 1024
-    logits = draft_logits(
-        batch_size,
-        draft_len,
-        vocab_size,
-        style="random" if style == "non-finite" else style,
-        dtype=torch.bfloat16,
-        seed=23,
-    )
-    if style == "non-finite":
-        logits = poison_rows(logits, seed=24)
-    logits = logits.cuda()
+    logits = _styled_bf16_logits(batch_size, draft_len, vocab_size, style, seed=23)
     roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
     budgets = torch.tensor([0, 1, 64, 96, 97, 128, 255, 256, 511, 700, 1023, 1024], device="cuda")
     planned = tree_cuda.device_build_tree_plan
