@@ -239,18 +239,19 @@ def build_tree_plan(
     merge_threads = _MERGE_THREADS_SMALL if small else _MERGE_THREADS
     lp_bytes = draft_len * top_k * 4
     lp_in_smem = lp_bytes <= max_smem_bytes
+    lp_table = -(-lp_bytes // 16) * 16  # the wide select's store follows it 16-byte aligned
     wide_sort_size = 1 << max(0, (max_budget - 1).bit_length())
     wide_cap = 0
     if max_budget >= _WIDE_MIN_BUDGET:
         # The largest store that fits beside the table, else alone (the table stays global).
-        for table in (-(-lp_bytes // 16) * 16, 0) if lp_in_smem else (0,):
+        for table in (lp_table, 0) if lp_in_smem else (0,):
             room = (max_smem_bytes - table - 16 * wide_sort_size - 4) // 25 // 256 * 256
             nodes = min(room, 4 * max_budget, _WIDE_MAX_CAP)
             if nodes >= 2 * max_budget:
                 wide_cap = nodes
                 lp_in_smem = table > 0
                 break
-    select_smem = (-(-lp_bytes // 16) * 16 if lp_in_smem else 0) + (
+    select_smem = (lp_table if lp_in_smem else 0) + (
         wide_select_bytes(wide_cap, wide_sort_size) if wide_cap else 0
     )
     return BuildTreePlan(
