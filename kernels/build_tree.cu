@@ -688,6 +688,31 @@ __device__ __forceinline__ void ddtree_raise_threshold(const uint32_t* warp_boun
                                                 (unsigned long long)low << 32));
 }
 
+// The j-th largest (1 <= j <= 32, counting equal keys separately) of the warp's keys (all > 0),
+// in every lane. Up to j = 4 by j rounds of a warp max, each retiring one lane; beyond, by each
+// lane's rank (larger keys first, equal keys by lane: 32 shuffles with no chain between them),
+// which on the H200 made the top-k 1.5-5.5 % faster at j = 8 and 16 and 3 % slower at j = 2
+// (bench/results/2026-11-30-h200-topk-experiments-s15.json, run "lane_bound"). One whole warp
+// calls it.
+__device__ uint32_t ddtree_warp_jth_largest(uint32_t key, int j) {
+  const int lane = threadIdx.x & 31;
+  if (j <= 4) {
+    uint32_t top = 0;
+    for (int round = 0; round < j; ++round) {
+      top = __reduce_max_sync(DDTREE_FULL, key);
+      if (lane == __ffs(__ballot_sync(DDTREE_FULL, key == top)) - 1) key = 0;  // retired
+    }
+    return top;
+  }
+  int rank = 0;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const uint32_t other = __shfl_sync(DDTREE_FULL, key, i);
+    rank += (other > key || (other == key && i < lane)) ? 1 : 0;
+  }
+  return __shfl_sync(DDTREE_FULL, key, __ffs(__ballot_sync(DDTREE_FULL, rank == j - 1)) - 1);
+}
+
 // Publishes the j-th largest (1 <= j <= 32) of the lanes' running maxima m as the warp's bound
 // when it beats the one published, and raises the block threshold. The lanes read disjoint
 // entries and each m is one of them (finite), so j distinct entries of the warp are at or above
@@ -696,12 +721,8 @@ __device__ __forceinline__ void ddtree_raise_threshold(const uint32_t* warp_boun
 __device__ __noinline__ void ddtree_publish_lane_bound(float m, int j, uint32_t* warp_bound,
                                                        unsigned long long* block_threshold) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t key = ddtree_order_key(m + 0.0f);  // > 0: key 0 marks a retired lane
-  uint32_t top = 0;
-  for (int round = 0; round < j; ++round) {
-    top = __reduce_max_sync(DDTREE_FULL, key);
-    if (lane == __ffs(__ballot_sync(DDTREE_FULL, key == top)) - 1) key = 0;
-  }
+  // m is never NaN, so its order key is > 0.
+  const uint32_t top = ddtree_warp_jth_largest(ddtree_order_key(m + 0.0f), j);
   if (top > warp_bound[warp]) {
     __syncwarp();
     if (lane == 0) warp_bound[warp] = top;
