@@ -690,10 +690,10 @@ __device__ __forceinline__ void ddtree_raise_threshold(const uint32_t* warp_boun
 
 // The j-th largest (1 <= j <= 32, counting equal keys separately) of the warp's keys (all > 0),
 // in every lane. Up to j = 4 by j rounds of a warp max, each retiring one lane; beyond, by each
-// lane's rank (larger keys first, equal keys by lane: 32 shuffles with no chain between them),
-// which on the H200 made the top-k 1.5-5.5 % faster at j = 8 and 16 and 3 % slower at j = 2
-// (bench/results/2026-11-30-h200-topk-experiments-s15.json, run "lane_bound"). One whole warp
-// calls it.
+// lane's rank (larger keys first, equal keys by lane: 32 shuffles with no chain between them).
+// On the H200 the ranks made the top-k 1-5 % faster at j = 8 and 16 (B 32 K 64 71.4 -> 70.8 us,
+// K 128 92.8 -> 88.1; bench/results/2026-11-30-h200-topk-lane-bound-s15.json) and 3 % slower at
+// j = 2 (...-topk-experiments-s15.json, run "lane_bound"). One whole warp calls it.
 __device__ uint32_t ddtree_warp_jth_largest(uint32_t key, int j) {
   const int lane = threadIdx.x & 31;
   if (j <= 4) {
@@ -731,8 +731,9 @@ __device__ __noinline__ void ddtree_publish_lane_bound(float m, int j, uint32_t*
   }
 }
 
-// Shared-memory stores done only where `store` holds, as one predicated instruction each: the
-// streaming loop records its hits with them instead of a branch per vector.
+// Shared-memory stores done only where `store` holds, as one predicated instruction each (p
+// must point into shared memory): the streaming loop records its hits with them instead of a
+// branch per vector.
 __device__ __forceinline__ void ddtree_store_shared_if(int32_t* p, int32_t v, bool store) {
   const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
   asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.shared.b32 [%0], %1;\n}"
