@@ -1338,6 +1338,23 @@ __device__ __forceinline__ void ddtree_pop_expand(int n, uint32_t top, uint32_t 
   sibling.lex = ddtree_lex_next_sibling(lex, depth, bits);
 }
 
+// A popped node's successors, its first child c and next sibling s (key 0: none): the better
+// one continues the chain and is returned (the child on equal keys: its rank tuple is smaller),
+// the other, if any, joins the frontier through `insert` and raises `rest`, the best key of the
+// frontier outside the chain. Slot: ddtree_cand or ddtree_reg_slot.
+template <typename Slot, typename Insert>
+__device__ __forceinline__ Slot ddtree_chain_successor(Slot c, Slot s, uint32_t& rest,
+                                                       Insert& insert) {
+  const bool c_first = c.key != 0u && c.key >= s.key;
+  const Slot other = c_first ? s : c;
+  const Slot next = c_first ? c : s;
+  if (other.key != 0u) {
+    insert(other);
+    rest = max(rest, other.key);
+  }
+  return next;
+}
+
 // A sibling run of the chained selects. The chain's next pop X_0 (score key x0, first-child key
 // c0; rank `rank` at `depth` under a parent of score `parent_score`) is followed in best-first
 // order by its next sibling X_1 when X_1 beats both X_0's first child C_0 (the chain takes the
@@ -1529,13 +1546,7 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
                         top_k, bits, lp, counts, node_parent, node_rank, node_depth,
                         node_score, c, s);
       if (popped == budget) break;
-      const bool c_first = c.key != 0u && c.key >= s.key;
-      const ddtree_cand other = c_first ? s : c;
-      next = c_first ? c : s;
-      if (other.key != 0u) {
-        insert(other);
-        rest = max(rest, other.key);
-      }
+      next = ddtree_chain_successor(c, s, rest, insert);
     }
     if (popped == budget) break;
     if (next.key != 0u) insert(next);  // the chain's last successor joins the frontier
@@ -1746,13 +1757,7 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
       const ddtree_reg_slot s = ddtree_make_slot(next.sibling_key, p, k + 1, d,
                                                  next.parent_score, draft_len, top_k, lp,
                                                  counts);
-      const bool c_first = c.key != 0u && c.key >= s.key;
-      const ddtree_reg_slot other_successor = c_first ? s : c;
-      next = c_first ? c : s;
-      if (other_successor.key != 0u) {
-        insert(other_successor);
-        rest = max(rest, other_successor.key);
-      }
+      next = ddtree_chain_successor(c, s, rest, insert);
     }
     if (popped == budget) break;
     if (next.key != 0u) insert(next);  // the chain's last successor joins the frontier
