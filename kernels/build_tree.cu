@@ -547,6 +547,7 @@ __device__ __forceinline__ float ddtree_exp2_ftz(float x) {
 // operations (N a power of two; t is overwritten): log2(N) dependent steps instead of N - 1.
 template <int N>
 __device__ __forceinline__ float ddtree_tree_sum(float (&t)[N]) {
+  static_assert(N >= 1 && (N & (N - 1)) == 0, "pairwise trees need a power of two (UNROLL)");
 #pragma unroll
   for (int k = 0; k < N / 2; ++k) t[k] += t[k + N / 2];
   if constexpr (N > 2) {
@@ -558,6 +559,7 @@ __device__ __forceinline__ float ddtree_tree_sum(float (&t)[N]) {
 
 template <int N>
 __device__ __forceinline__ float ddtree_tree_max(float (&t)[N]) {
+  static_assert(N >= 1 && (N & (N - 1)) == 0, "pairwise trees need a power of two (UNROLL)");
 #pragma unroll
   for (int k = 0; k < N / 2; ++k) t[k] = fmaxf(t[k], t[k + N / 2]);
   if constexpr (N > 2) {

@@ -173,6 +173,7 @@ def build_tree_plan(
         Dynamic shared memory one block may use on the target device.
     unroll, min_blocks : int
         ``UNROLL`` and ``TOPK_MIN_BLOCKS`` of the top-k kernel (tuning; see build_tree.cu).
+        ``unroll`` is a power of two: the kernel sums a step's entries by pairwise trees.
 
     Returns
     -------
@@ -181,9 +182,11 @@ def build_tree_plan(
     Raises
     ------
     ValueError
-        The candidate buffers or the merge do not fit in shared memory at this budget, or there
-        are more than 65535 rows.
+        The candidate buffers or the merge do not fit in shared memory at this budget, there
+        are more than 65535 rows, or ``unroll`` is not a power of two.
     """
+    if unroll < 1 or unroll & (unroll - 1):
+        raise ValueError(f"unroll: the top-k's loads per step must be a power of two, got {unroll}")
     top_k = min(max_budget, vocab_size)
     sort_size = 1 << max(0, (top_k - 1).bit_length())
     rows = batch_size * draft_len
