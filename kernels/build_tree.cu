@@ -1285,7 +1285,10 @@ __device__ __forceinline__ uint32_t ddtree_sibling_key(float parent_score, int r
 }
 
 // Writes popped node n to the node tables (the calling thread; the warp synchronises before
-// they are read).
+// they are read). For a pop the whole warp agrees on, every lane calls it with the same node:
+// the same values land in the same words, with no branch to a single lane. On the H200 that
+// made the select 1-6 % faster than lane 0 alone (B 32 K 64: 26.1 -> 25.0 us; see
+// bench/results/2026-11-30-h200-select-record-s16.json).
 __device__ __forceinline__ void ddtree_store_node(int n, int parent, int rank, int depth,
                                                   float score, int16_t* node_parent,
                                                   int16_t* node_rank, int8_t* node_depth,
@@ -1294,17 +1297,6 @@ __device__ __forceinline__ void ddtree_store_node(int n, int parent, int rank, i
   node_rank[n] = (int16_t)rank;
   node_depth[n] = (int8_t)depth;
   node_score[n] = score;
-}
-
-// Records popped node n in the node tables (lane 0 writes).
-__device__ __forceinline__ void ddtree_record_node(int n, int parent, int rank, int depth,
-                                                   float score, int16_t* node_parent,
-                                                   int16_t* node_rank, int8_t* node_depth,
-                                                   float* node_score) {
-  if ((threadIdx.x & 31) == 0) {
-    ddtree_store_node(n, parent, rank, depth, score, node_parent, node_rank, node_depth,
-                      node_score);
-  }
 }
 
 // The first candidate of a request: its best depth-1 token, the root's first child (key 0 when
@@ -1317,8 +1309,8 @@ __device__ __forceinline__ ddtree_cand ddtree_first_cand(int draft_len, int top_
 }
 
 // Records popped node n (score key `top`, candidate `info`, prefix `lex`) in the node tables
-// (lane 0; the warp synchronises after) and, unless `last`, returns its first child and next
-// sibling as candidates (key 0: none).
+// (every lane, the same node; the warp synchronises after) and, unless `last`, returns its first
+// child and next sibling as candidates (key 0: none).
 __device__ __forceinline__ void ddtree_pop_expand(int n, uint32_t top, uint32_t info,
                                                   uint64_t lex, bool last, int draft_len,
                                                   int top_k, int bits, const float* lp,
@@ -1328,8 +1320,8 @@ __device__ __forceinline__ void ddtree_pop_expand(int n, uint32_t top, uint32_t 
                                                   ddtree_cand& sibling) {
   const float score = ddtree_key_to_float(top);
   const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
-  ddtree_record_node(n, parent, rank, depth, score, node_parent, node_rank, node_depth,
-                     node_score);
+  ddtree_store_node(n, parent, rank, depth, score, node_parent, node_rank, node_depth,
+                    node_score);
   __syncwarp();  // node_score[parent] below may be this pop's
   if (last) return;  // the budget is spent: no candidates needed
   child.key = ddtree_child_key(score, depth, draft_len, top_k, lp, counts);
@@ -1664,8 +1656,8 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
     const float score = ddtree_key_to_float(top);
     const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
     ++popped;
-    ddtree_record_node(popped, parent, rank, depth, score, node_parent, node_rank, node_depth,
-                       node_score);
+    ddtree_store_node(popped, parent, rank, depth, score, node_parent, node_rank, node_depth,
+                      node_score);
     if (popped == budget) break;
     // The popped slot takes the first child, else the next sibling; a fresh slot takes the
     // sibling when there are both.
@@ -1751,8 +1743,8 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
       const float next_score = ddtree_key_to_float(next.key);
       const int p = next.info & 2047, k = (next.info >> 11) & 1023, d = next.info >> 21;
       ++popped;
-      ddtree_record_node(popped, p, k, d, next_score, node_parent, node_rank, node_depth,
-                         node_score);
+      ddtree_store_node(popped, p, k, d, next_score, node_parent, node_rank, node_depth,
+                        node_score);
       if (popped == budget) break;
       const ddtree_reg_slot c = ddtree_make_slot(next.child_key, popped, 0, d + 1, next_score,
                                                  draft_len, top_k, lp, counts);
