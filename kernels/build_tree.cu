@@ -137,6 +137,19 @@ __device__ __forceinline__ float ddtree_warp_sum(float v) {
   return v;
 }
 
+// Inclusive prefix sum of v over the warp's lanes (lane l gets lanes 0..l's), by shuffles up.
+// One whole warp calls it.
+template <typename T>
+__device__ __forceinline__ T ddtree_warp_inclusive_sum(T v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const T o = __shfl_up_sync(DDTREE_FULL, v, off);
+    if (lane >= off) v += o;
+  }
+  return v;
+}
+
 // Combines the lanes' statistics (max m, sum s of exp(x - m), +inf count) into the warp's, in
 // every lane: the largest max, the sums rescaled to it and added, the +inf count.
 __device__ __forceinline__ void ddtree_warp_stats(float& m, float& s, float& infs) {
@@ -243,12 +256,7 @@ __device__ ddtree_digit ddtree_pick_digit(const uint32_t* hist, uint32_t remaini
   uint32_t local = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) local += hist[255 - 8 * lane - j];
-  uint32_t incl = local;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t o = __shfl_up_sync(DDTREE_FULL, incl, off);
-    if (lane >= off) incl += o;
-  }
+  const uint32_t incl = ddtree_warp_inclusive_sum(local);
   const int owner = __ffs(__ballot_sync(DDTREE_FULL, incl >= remaining)) - 1;
   ddtree_digit found = {0u, 0u, 0u};
   if (lane == owner) {
@@ -812,12 +820,7 @@ __device__ __noinline__ int ddtree_expand_hits(const uint4* hit_vec, const int32
       for (int k = 0; k < DDTREE_VEC; ++k) bits |= (x[k] >= floor_value ? 1u : 0u) << k;
     }
     const int mine = __popc(bits);
-    int incl = mine;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int o = __shfl_up_sync(DDTREE_FULL, incl, off);
-      if (lane >= off) incl += o;
-    }
+    const int incl = ddtree_warp_inclusive_sum(mine);
     int slot = count + incl - mine;
     // Usually one entry of a hit vector passes: loop over the set bits only (the entry is
     // re-read from the raw vector, which a dynamic index into x[] would send to local memory).
@@ -1829,12 +1832,7 @@ __device__ int ddtree_block_scan(int* a, int len, int* scratch) {
   __syncthreads();
   int local = 0;
   for (int i = begin; i < end; ++i) local += a[i];
-  int incl = local;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int o = __shfl_up_sync(DDTREE_FULL, incl, off);
-    if (lane >= off) incl += o;
-  }
+  const int incl = ddtree_warp_inclusive_sum(local);
   if (lane == 31) scratch[warp] = incl;
   __syncthreads();
   int run = incl - local, total = 0;
