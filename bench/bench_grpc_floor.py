@@ -18,7 +18,10 @@ one host), which splits a call into *inbound* (caller enters gRPC -> server hand
   each call (its own preparation), the handler returns at once;
 * ``handler_spin_400us`` / ``handler_sleep_400us``: the handler busy-waits or sleeps 400 us;
 * ``handler_torch_work``: the handler runs small torch CPU ops for a while (code that evicts
-  gRPC's from the caches, as an op's host work does).
+  gRPC's from the caches, as an op's host work does);
+* ``handler_spin_200us``, and where the server has a GPU ``handler_cuda_wait_200us``: the
+  handler busy-waits 200 us, or launches a 200 us kernel and synchronises the stream (GIL
+  released, as ddtree's op waits for the device).
 
 Reports medians (microseconds) per variant and round and writes
 ``bench/results/<date>-<host>-grpc-floor.json`` (or ``--out``).
@@ -49,6 +52,15 @@ import asyncio, json, signal, sys, time
 import grpc, torch
 
 stamps = []
+CUDA = torch.cuda.is_available()
+if CUDA:
+    # torch.cuda._sleep's clock cycles per microsecond, measured after a warm-up launch.
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    torch.cuda._sleep(20_000_000)
+    torch.cuda.synchronize()
+    CYCLES_PER_US = 20_000_000 / ((time.perf_counter() - start) * 1e6)
 
 
 def torch_work():
@@ -59,10 +71,13 @@ def torch_work():
 
 async def handle(kind, request):
     start = time.monotonic_ns()
-    if kind == "handler_spin_400us":
-        end = time.perf_counter() + 400e-6
+    if kind in ("handler_spin_400us", "handler_spin_200us"):
+        end = time.perf_counter() + (400e-6 if kind == "handler_spin_400us" else 200e-6)
         while time.perf_counter() < end:
             pass
+    elif kind == "handler_cuda_wait_200us":
+        torch.cuda._sleep(int(200 * CYCLES_PER_US))
+        torch.cuda.current_stream().synchronize()
     elif kind == "handler_sleep_400us":
         time.sleep(400e-6)
     elif kind == "handler_torch_work":
@@ -94,7 +109,7 @@ async def main():
         stamps.clear()
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
-    print("ready", flush=True)
+    print("ready cuda" if CUDA else "ready", flush=True)
     await server.wait_for_termination()
 
 
@@ -109,7 +124,10 @@ VARIANTS = (
     "handler_spin_400us",
     "handler_sleep_400us",
     "handler_torch_work",
+    "handler_spin_200us",
 )
+CUDA_VARIANTS = ("handler_cuda_wait_200us",)
+"""Variants run only where the server process has a GPU."""
 
 
 def _caller_gap(kind: str) -> None:
@@ -189,12 +207,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         try:
             assert server.stdout is not None
-            server.stdout.readline()
+            kinds = VARIANTS + (CUDA_VARIANTS if "cuda" in server.stdout.readline() else ())
             with grpc.insecure_channel(f"unix:{socket_path}") as channel:
                 for _ in range(args.rounds):
                     round_results = {
                         kind: _variant(channel, server, socket_path + ".json", kind, args.calls)
-                        for kind in VARIANTS
+                        for kind in kinds
                     }
                     results["rounds"].append(round_results)
                     for kind, figures in round_results.items():

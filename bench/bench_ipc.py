@@ -12,6 +12,8 @@ transport, one run measures:
 * BuildTree batch 32 and AcceptTree by reference into static destinations (``out=``, the first
   call's result reused, as an inference server keeps its buffers): the same request every call,
   which the client and the server recognise (request memo, decoded-call memo, CUDA graph);
+* the target's pair alone, interleaved call by call (floor, BuildTree batch 32 into static
+  destinations, floor, ...), so that drift over the run hits both alike;
 * the same with 16 concurrent callers (threads, one client each) for calls per second;
 * the kernels alone, in this process, called as the server calls them (with ``error_flags``, so
   the op never synchronises): device time (the op's launches captured in a CUDA graph and
@@ -21,7 +23,8 @@ transport, one run measures:
   code run in this process stage by stage (prepare and serialise the request; parse and
   decode it, resolving the references; the engine's op with its synchronisations and the
   copies into caller memory; the reply), each timed alone, in a hot loop and with 2 ms of
-  idle before each call (as in a real exchange).
+  idle before each call (as in a real exchange); and the same for the call into static
+  destinations (request memo, decoded-call memo, graph replay, kept reply).
 
 Reports p50/p99/mean per call and calls per second, and the ratio of BuildTree-by-reference
 p50 (batch 32, Unix socket) to floor p50 + the kernels' device time (the target of issue #5).
@@ -35,9 +38,10 @@ CPU (reference backend), the floor, a tiny AcceptTree and a small BuildTree (inl
 ``--inline-ops on|off`` forces ``Engine.inline_ops`` in the server (default: the engine's own
 choice, on for CUDA): an ablation of the servicer's choice to run a lone call's op on the event
 loop instead of the device worker.
-``--profile DIR`` then profiles serial BuildTree by reference at batch 32 (Unix socket):
-cProfile of the server's event-loop thread (switched on and off by signals around the profiled
-calls only) and of this caller, written to DIR as text summaries.
+``--profile DIR`` then profiles serial BuildTree by reference at batch 32 into static
+destinations (Unix socket; the target's call): cProfile of the server's event-loop thread
+(switched on and off by signals around the profiled calls only) and of this caller, written to
+DIR as text summaries.
 ``--transports unix`` measures over the Unix socket only (shorter runs).
 
 ``--serial-only LABEL`` measures just the serial calls by reference over a Unix socket (the
@@ -84,8 +88,10 @@ import ddtree
 from ddtree import kernels
 from ddtree.clients import Client
 from ddtree.clients.cuda import ClientIpc, device_uuid
-from ddtree.clients.remote import _build_tree_op
+from ddtree.clients.remote import _build_tree_op, _memo_entry, _request
+from ddtree.kernels.types import Tree
 from ddtree.service import convert
+from ddtree.service.call_memo import DecodedCalls
 from ddtree.service.engine import Engine
 from ddtree.service.errors import IpcOpenFailed
 from ddtree.service.memory import device_bytes
@@ -205,6 +211,20 @@ def _serial(call: Callable[[], object], iters: int, warmup: int = 3) -> dict[str
         call()
         latencies.append(time.perf_counter() - start)
     return _stats(latencies)
+
+
+def _interleaved(calls: dict[str, Callable[[], object]], iters: int) -> dict[str, Any]:
+    """The calls in turn, ``iters`` rounds (after 20 of warm-up): each call's statistics."""
+    for _ in range(20):
+        for call in calls.values():
+            call()
+    latencies: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(iters):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            latencies[name].append(time.perf_counter() - start)
+    return {name: _stats(values) for name, values in latencies.items()}
 
 
 def _concurrent(
@@ -375,12 +395,17 @@ def main(argv: list[str] | None = None) -> None:
             results["target"] = _target(results)
             _save(out, results)
         # The diagnostics below must not cost the measurements above if they fail.
-        for key, idle_s in (
-            ("in_process_stages_b32_ref_us", 0.0),
-            ("in_process_stages_b32_ref_after_2ms_idle_us", 0.002),
-        ):
+        stages: tuple[tuple[str, Callable[[], dict[str, Any]]], ...] = (
+            ("in_process_stages_b32_ref_us", lambda: _stages(batch32, n(300))),
+            (
+                "in_process_stages_b32_ref_after_2ms_idle_us",
+                lambda: _stages(batch32, n(300), 0.002),
+            ),
+            ("in_process_stages_b32_ref_out_us", lambda: _stages_out(batch32, n(300))),
+        )
+        for key, measure in stages:
             try:
-                results[key] = _stages(batch32, n(300), idle_s)
+                results[key] = measure()
             except Exception as err:
                 traceback.print_exc()
                 results[key] = {"error": repr(err)[:300]}
@@ -496,6 +521,17 @@ def _target(results: dict[str, Any]) -> dict[str, Any]:
             "above_floor_ms": round(ref_ms - floor_ms, 4),
             "ratio_with_eager_kernel": round(ref_ms / (echo_ms + build["eager"]), 3),
         }
+    # The static-destination call against the floor measured beside it, call by call.
+    pair = unix.get("interleaved")
+    if pair is not None:
+        pair_floor_ms = pair["echo"]["p50_ms"] + kernel_ms
+        ref_ms = pair["build_tree_b32_ref_out"]["p50_ms"]
+        target["interleaved"] = {
+            "echo_p50_ms": pair["echo"]["p50_ms"],
+            "build_tree_b32_ref_out_p50_ms": ref_ms,
+            "ratio": round(ref_ms / pair_floor_ms, 3),
+            "above_floor_ms": round(ref_ms - pair_floor_ms, 4),
+        }
     return target
 
 
@@ -532,6 +568,79 @@ class _SelfMapper:
 
     def release(self) -> None:
         return None
+
+
+def _stages_out(batch: dict[str, Any], iters: int) -> dict[str, Any]:
+    """BuildTree by reference into static destinations (the target's call) through the
+    client's and the server's code, in this process and without gRPC, stage by stage: median
+    microseconds over ``iters`` calls in a hot loop. The same request every call, as in
+    ``Client._send`` and the servicer: the client's request memo, the server's decoded-call
+    memo, the engine's graph replay and the kept reply."""
+    mapper = _SelfMapper()
+    engine = Engine(device="cuda:0", ipc_mapper=mapper)
+    engine.warm_up()
+    resolver = convert.TensorResolver(engine.limits, engine.memory).for_owner("")
+    decoded = DecodedCalls()
+    ipc = ClientIpc("ipc", "bench", False)
+    ipc.set_server(True, [device_uuid(0)])
+    logits, roots = batch["logits"], batch["roots"]
+    out = kernels.build_tree(logits, roots, BUDGET)  # the static destinations
+    names = ("client_request", "server_decode", "server_op", "server_reply", "client_finish")
+    times: dict[str, list[float]] = {name: [] for name in (*names, "total")}
+    try:
+        for i in range(iters + 10):
+            t0 = time.perf_counter()
+            op = _build_tree_op(
+                ipc, logits, roots, BUDGET, temperature=1.0, max_budget=None, model="", out=out
+            )
+            generation = ipc.registry.generation
+            entry = _memo_entry(ipc, op)
+            if entry is not None:
+                refs, use_outputs = entry.refs, entry.use_outputs
+            else:
+                op.check()
+                refs = ipc.refs(op.tensors)
+                assert refs is not None
+                for allocation in refs.missing():  # the first call only
+                    register = ipc.register_request(allocation)
+                    mapper.expose(
+                        register.ipc_handle, allocation.base_pointer, allocation.byte_size
+                    )
+                    token, _ = engine.register_memory(
+                        register.ipc_handle, register.device_uuid, register.byte_size, "bench"
+                    ).result()
+                    ipc.registry.add(allocation, token)
+                use_outputs = ipc.uses(refs, op.outputs)
+            wire = _request(ipc, op, refs, use_outputs, entry, generation).SerializeToString()
+            t1 = time.perf_counter()
+            request = pb.BuildTreeRequest.FromString(wire)
+            call = decoded.decode(
+                convert.build_tree_call, request, resolver, deadline_s=time.monotonic() + 30
+            )
+            t2 = time.perf_counter()
+            tree = engine.build_tree(call, inline=True).result()
+            t3 = time.perf_counter()
+            prepared = call.prepared
+            assert prepared is not None
+            if prepared.reply is None:  # as the servicer keeps the first reply
+                reply = pb.BuildTreeResponse()
+                convert.tree_refs_to_proto(request.outputs, tree, reply.tree)
+                prepared.reply = reply
+            reply_wire = prepared.reply.SerializeToString()
+            t4 = time.perf_counter()
+            op.finish(pb.BuildTreeResponse.FromString(reply_wire), use_outputs)
+            t5 = time.perf_counter()
+            if i < 10:
+                continue
+            spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t5 - t0)
+            for name, span in zip((*names, "total"), spans, strict=True):
+                times[name].append(span)
+    finally:
+        engine.close()
+    medians = {name: round(statistics.median(values) * 1e6, 1) for name, values in times.items()}
+    medians["decoded_call_hits"] = decoded.hits
+    medians["calls"] = iters
+    return medians
 
 
 def _stages(batch: dict[str, Any], iters: int, idle_s: float = 0.0) -> dict[str, Any]:
@@ -714,23 +823,25 @@ def _cpu_transport(
 def _profile(
     out_dir: Path, unix_path: str, batch: dict[str, Any], iters: int, inline_ops: bool | None
 ) -> None:
-    """cProfile of serial BuildTree by reference: the server's process during ``iters`` calls,
-    then this caller during ``iters`` more (one profiler at a time, so neither slows the
-    other's calls); text summaries in ``out_dir``."""
+    """cProfile of serial BuildTree by reference into static destinations (the target's call):
+    the server's process during ``iters`` calls, then this caller during ``iters`` more (one
+    profiler at a time, so neither slows the other's calls); text summaries in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     server_prof = Path(unix_path).with_name("server.prof")
     server = _start_server(unix_path, _free_port(), inline_ops=inline_ops, profile=server_prof)
     client = Client(f"unix:{unix_path}", tensor_transport="ipc")
+    logits, roots = batch["logits"], batch["roots"]
 
     def calls() -> float:
         start = time.perf_counter()
         for _ in range(iters):
-            client.build_tree(batch["logits"], batch["roots"], BUDGET)
+            client.build_tree(logits, roots, BUDGET, out=tree)
         return time.perf_counter() - start
 
     try:
+        tree = client.build_tree(logits, roots, BUDGET)  # the static destinations
         for _ in range(10):
-            client.build_tree(batch["logits"], batch["roots"], BUDGET)
+            client.build_tree(logits, roots, BUDGET, out=tree)
         server.send_signal(signal.SIGUSR1)
         client.health()  # the server has taken the signal once it answers
         server_wall = calls()
@@ -739,7 +850,7 @@ def _profile(
         profiler.enable()
         client_wall = calls()
         profiler.disable()
-        _write_summary(profiler, out_dir / "client_build_tree_b32_ref.txt", iters, client_wall)
+        _write_summary(profiler, out_dir / "client_build_tree_b32_ref_out.txt", iters, client_wall)
         deadline = time.monotonic() + 30
         while not server_prof.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -750,7 +861,7 @@ def _profile(
     if server_prof.exists():
         _write_summary(
             pstats.Stats(str(server_prof)),
-            out_dir / "server_build_tree_b32_ref.txt",
+            out_dir / "server_build_tree_b32_ref_out.txt",
             iters,
             server_wall,
         )
@@ -792,10 +903,22 @@ def _bench_transport(
                 warmup=1,
             )
         tree = ipc.build_tree(batch32["logits"], batch32["roots"], BUDGET)
+
         # Static buffers, as an inference server keeps them: the first tree is the destination.
-        out["build_tree_b32_ref_out"] = _serial(
-            lambda: ipc.build_tree(batch32["logits"], batch32["roots"], BUDGET, out=tree), n(300)
-        )
+        def build_out() -> Tree:
+            return ipc.build_tree(batch32["logits"], batch32["roots"], BUDGET, out=tree)
+
+        out["build_tree_b32_ref_out"] = _serial(build_out, n(300))
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.TreeSpeculationServiceStub(channel)
+            request = pb.GetServerInfoRequest()
+            out["interleaved"] = _interleaved(
+                {
+                    "echo": lambda: stub.GetServerInfo(request, timeout=10),
+                    "build_tree_b32_ref_out": build_out,
+                },
+                n(1500),
+            )
         targets = tree.tokens.clamp(min=0)
         out["accept_tree_b32_ref"] = _serial(lambda: ipc.accept_tree(tree, targets), n(300))
         acceptance = ipc.accept_tree(tree, targets)
