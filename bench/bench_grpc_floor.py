@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             server.terminate()
             server.wait(timeout=30)
+            if server.stdout is not None:
+                server.stdout.close()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     sys.stdout.write(f"wrote {out}\n")
