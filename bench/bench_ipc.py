@@ -87,7 +87,7 @@ import torch
 import ddtree
 from ddtree import kernels
 from ddtree.clients import Client
-from ddtree.clients.cuda import ClientIpc, device_uuid
+from ddtree.clients.cuda import ClientIpc, RequestRefs, device_uuid
 from ddtree.clients.remote import _build_tree_op, _memo_entry, _request
 from ddtree.kernels.types import Tree
 from ddtree.service import convert
@@ -570,6 +570,20 @@ class _SelfMapper:
         return None
 
 
+def _register_missing(
+    ipc: ClientIpc, refs: RequestRefs, mapper: _SelfMapper, engine: Engine
+) -> None:
+    """Register the allocations of ``refs`` that the client has no token for, straight with the
+    engine in this process (``mapper`` maps them back to themselves)."""
+    for allocation in refs.missing():
+        register = ipc.register_request(allocation)
+        mapper.expose(register.ipc_handle, allocation.base_pointer, allocation.byte_size)
+        token, _ = engine.register_memory(
+            register.ipc_handle, register.device_uuid, register.byte_size, "bench"
+        ).result()
+        ipc.registry.add(allocation, token)
+
+
 def _stages_out(batch: dict[str, Any], iters: int) -> dict[str, Any]:
     """BuildTree by reference into static destinations (the target's call) through the
     client's and the server's code, in this process and without gRPC, stage by stage: median
@@ -601,15 +615,7 @@ def _stages_out(batch: dict[str, Any], iters: int) -> dict[str, Any]:
                 op.check()
                 refs = ipc.refs(op.tensors)
                 assert refs is not None
-                for allocation in refs.missing():  # the first call only
-                    register = ipc.register_request(allocation)
-                    mapper.expose(
-                        register.ipc_handle, allocation.base_pointer, allocation.byte_size
-                    )
-                    token, _ = engine.register_memory(
-                        register.ipc_handle, register.device_uuid, register.byte_size, "bench"
-                    ).result()
-                    ipc.registry.add(allocation, token)
+                _register_missing(ipc, refs, mapper, engine)  # the first call only
                 use_outputs = ipc.uses(refs, op.outputs)
             wire = _request(ipc, op, refs, use_outputs, entry, generation).SerializeToString()
             t1 = time.perf_counter()
@@ -676,13 +682,7 @@ def _stages(batch: dict[str, Any], iters: int, idle_s: float = 0.0) -> dict[str,
             )
             refs = ipc.refs(op.tensors)
             assert refs is not None
-            for allocation in refs.missing():  # the first call only
-                register = ipc.register_request(allocation)
-                mapper.expose(register.ipc_handle, allocation.base_pointer, allocation.byte_size)
-                token, _ = engine.register_memory(
-                    register.ipc_handle, register.device_uuid, register.byte_size, "bench"
-                ).result()
-                ipc.registry.add(allocation, token)
+            _register_missing(ipc, refs, mapper, engine)  # the first call only
             use_outputs = ipc.uses(refs, op.outputs)
             wire = op.make(refs, use_outputs, ipc.order_inputs(refs)).SerializeToString()
             t1 = time.perf_counter()
