@@ -137,17 +137,23 @@ __device__ __forceinline__ float ddtree_warp_sum(float v) {
   return v;
 }
 
-// Inclusive prefix sum of v over the warp's lanes (lane l gets lanes 0..l's), by shuffles up.
-// One whole warp calls it.
-template <typename T>
-__device__ __forceinline__ T ddtree_warp_inclusive_sum(T v) {
+// Inclusive scan of v over the warp's lanes by the associative `op` (lane l gets lanes 0..l's
+// values combined), by shuffles up. One whole warp calls it.
+template <typename T, typename Op>
+__device__ __forceinline__ T ddtree_warp_inclusive_scan(T v, Op op) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
     const T o = __shfl_up_sync(DDTREE_FULL, v, off);
-    if (lane >= off) v += o;
+    if (lane >= off) v = op(v, o);
   }
   return v;
+}
+
+// Inclusive prefix sum of v over the warp's lanes. One whole warp calls it.
+template <typename T>
+__device__ __forceinline__ T ddtree_warp_inclusive_sum(T v) {
+  return ddtree_warp_inclusive_scan(v, [](T a, T b) { return a + b; });
 }
 
 // Combines the lanes' statistics (max m, sum s of exp(x - m), +inf count) into the warp's, in
@@ -1378,12 +1384,9 @@ __device__ __forceinline__ ddtree_run ddtree_sibling_run(uint32_t x0, uint32_t c
           : run.x != 0u
               ? ddtree_child_key(ddtree_key_to_float(run.x), depth, draft_len, top_k, lp, counts)
               : 0u;
-  uint32_t bound = max(run.c, rest);  // max(rest, C_0, ..., C_lane)
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t o = __shfl_up_sync(DDTREE_FULL, bound, off);
-    if (lane >= off) bound = max(bound, o);
-  }
+  // max(rest, C_0, ..., C_lane)
+  const auto larger = [](uint32_t a, uint32_t b) { return max(a, b); };
+  const uint32_t bound = ddtree_warp_inclusive_scan(max(run.c, rest), larger);
   const uint32_t x_after = __shfl_down_sync(DDTREE_FULL, run.x, 1);
   const uint32_t follows = __ballot_sync(DDTREE_FULL, lane < 31 && x_after > bound);
   run.m = min(__ffs(~follows) - 1, max_run);
