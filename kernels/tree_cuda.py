@@ -66,6 +66,8 @@ logits, at 64 (B 32, select alone: 98 against 51 us; docs/kernels.md, session 14
 _WIDE_MAX_CAP = 4096
 """Most nodes of the wide select's store (``4 * max_budget`` at most; its packed node indices
 need 16 bits)."""
+_WIDE_NODE_BYTES = 25
+"""Shared memory per node of the wide select's store (see ``wide_select_bytes``)."""
 _ACCEPT_THREADS = 256
 _ACCEPT_LOGIT_THREADS = 1024
 _COMMIT_THREADS = 128
@@ -188,7 +190,7 @@ def build_tree_plan(
     if unroll < 1 or unroll & (unroll - 1):
         raise ValueError(f"unroll: the top-k's loads per step must be a power of two, got {unroll}")
     top_k = min(max_budget, vocab_size)
-    sort_size = 1 << max(0, (top_k - 1).bit_length())
+    sort_size = _power_of_two_at_least(top_k)
     rows = batch_size * draft_len
     if rows > 65535:
         raise ValueError(
@@ -243,13 +245,13 @@ def build_tree_plan(
     lp_bytes = draft_len * top_k * 4
     lp_in_smem = lp_bytes <= max_smem_bytes
     lp_table = -(-lp_bytes // 16) * 16  # the wide select's store follows it 16-byte aligned
-    wide_sort_size = 1 << max(0, (max_budget - 1).bit_length())
+    wide_sort_size = _power_of_two_at_least(max_budget)
     wide_cap = 0
     if max_budget >= _WIDE_MIN_BUDGET:
         # The largest store that fits beside the table, else alone (the table stays global).
         for table in (lp_table, 0) if lp_in_smem else (0,):
-            room = (max_smem_bytes - table - 16 * wide_sort_size - 4) // 25 // 256 * 256
-            nodes = min(room, 4 * max_budget, _WIDE_MAX_CAP)
+            room = max_smem_bytes - table - wide_select_bytes(0, wide_sort_size)
+            nodes = min(room // _WIDE_NODE_BYTES // 256 * 256, 4 * max_budget, _WIDE_MAX_CAP)
             if nodes >= 2 * max_budget:
                 wide_cap = nodes
                 lp_in_smem = table > 0
@@ -279,11 +281,16 @@ def build_tree_plan(
     )
 
 
+def _power_of_two_at_least(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1): a bitonic sort's width."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def wide_select_bytes(cap: int, sort_size: int) -> int:
     """Shared memory of the wide select's store for ``cap`` nodes and a sort of ``sort_size``
     (build_tree.cu: 8-byte composites, the 2 * sort_size sort buffer, fp32 scores, two int32
     work arrays, int16 parents and ranks, int8 depths)."""
-    return 25 * cap + 16 * sort_size + 4
+    return _WIDE_NODE_BYTES * cap + 16 * sort_size + 4
 
 
 def accept_launch_params(batch_size: int, *, reads_logits: bool) -> jit.LaunchParams:
