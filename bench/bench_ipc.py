@@ -43,6 +43,8 @@ destinations (Unix socket; the target's call): cProfile of the server's event-lo
 (switched on and off by signals around the profiled calls only) and of this caller, written to
 DIR as text summaries.
 ``--transports unix`` measures over the Unix socket only (shorter runs).
+``--metrics off`` runs the server without its Prometheus metrics (on by default, as the Helm
+chart deploys it; before session 18 the benchmark's server ran without them).
 
 ``--serial-only LABEL`` measures just the serial calls by reference over a Unix socket (the
 floor, BuildTree batch 32, AcceptTree batch 32, and with ``out=`` where the build's client has
@@ -52,7 +54,7 @@ whichever ``ddtree`` this interpreter imports (for example ``PYTHONPATH=<copy of
 for A; the server subprocess inherits it).
 
 Usage: ``python bench/bench_ipc.py [--out PATH] [--quick] [--cpu] [--inline-ops on|off]
-[--profile DIR] [--transports unix,tcp] [--serial-only LABEL]``.
+[--profile DIR] [--transports unix,tcp] [--serial-only LABEL] [--metrics on|off]``.
 """
 
 from __future__ import annotations
@@ -141,15 +143,17 @@ def _start_server(
     device: str = "cuda:0",
     inline_ops: bool | None = None,
     profile: Path | None = None,
-    metrics_port: int | None = None,
+    metrics: bool = True,
 ) -> subprocess.Popen[str]:
+    """``ddtree serve`` on ``unix_path`` and loopback ``port``, as deployed: with its Prometheus
+    metrics (on a free loopback port) unless ``metrics`` is false."""
     launcher = ["-m", "ddtree.service"]
     if inline_ops is not None or profile is not None:
         script = Path(unix_path).with_name("serve_bench.py")
         path = None if profile is None else str(profile)
         script.write_text(_LAUNCHER.format(inline_ops=inline_ops, profile=path))
         launcher = [str(script)]
-    extra = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
+    extra = ["--metrics-port", str(_free_port())] if metrics else []
     process = subprocess.Popen(
         [
             sys.executable,
@@ -319,6 +323,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=Path, default=None, help="cProfile dumps here (GPU)")
     parser.add_argument("--transports", default="unix,tcp", help="unix, tcp or both (GPU)")
     parser.add_argument("--serial-only", metavar="LABEL", default=None, help="A/B line (GPU)")
+    parser.add_argument(
+        "--metrics", choices=("on", "off"), default="on", help="the server's metrics (as deployed)"
+    )
     args = parser.parse_args(argv)
     scale = 0.2 if args.quick else 1.0
 
@@ -326,13 +333,14 @@ def main(argv: list[str] | None = None) -> None:
         return max(3, int(count * scale))
 
     inline_ops = None if args.inline_ops is None else args.inline_ops == "on"
+    metrics = args.metrics == "on"
     if args.cpu:
-        _main_cpu(args.out, n, inline_ops=inline_ops)
+        _main_cpu(args.out, n, inline_ops=inline_ops, metrics=metrics)
         return
     if args.serial_only is not None:
         if args.out is None:
             parser.error("--serial-only needs --out (the JSON-lines file to append to)")
-        _main_serial_only(args.serial_only, args.out, n(300))
+        _main_serial_only(args.serial_only, args.out, n(300), metrics)
         return
     transports = set(args.transports.split(","))
     if not transports or not transports <= {"unix", "tcp"}:
@@ -374,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         "shape": {"draft_len": DRAFT_LEN, "vocab_size": VOCAB, "budget": BUDGET, "dtype": "bf16"},
         "logits_bytes_b32": batch32["logits"].numel() * 2,
         "inline_ops": "default (on: CUDA)" if inline_ops is None else inline_ops,
+        "server_metrics": metrics,
         "kernel_ms": kernel,
         "transports": {},
     }
@@ -381,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         unix_path = f"{tmp}/bench.sock"
         port = _free_port()
-        server = _start_server(unix_path, port, inline_ops=inline_ops)
+        server = _start_server(unix_path, port, inline_ops=inline_ops, metrics=metrics)
         try:
             for name, address in (("unix", f"unix:{unix_path}"), ("tcp", f"127.0.0.1:{port}")):
                 if name not in transports:
@@ -412,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
             _save(out, results)
         if args.profile is not None:
             try:
-                _profile(args.profile, f"{tmp}/profile.sock", batch32, n(300), inline_ops)
+                _profile(args.profile, f"{tmp}/profile.sock", batch32, n(300), inline_ops, metrics)
             except Exception as err:
                 traceback.print_exc()
                 results["profile_error"] = repr(err)[:300]
@@ -421,14 +430,14 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(f"\nwrote {out}\n")
 
 
-def _main_serial_only(label: str, out: Path, iters: int) -> None:
+def _main_serial_only(label: str, out: Path, iters: int, metrics: bool) -> None:
     """Serial calls by reference over a Unix socket, interleaved in blocks; one JSON line."""
     batch = _inputs(32)
     latencies: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         unix_path = f"{tmp}/bench.sock"
         started = time.monotonic()
-        server = _start_server(unix_path, _free_port())
+        server = _start_server(unix_path, _free_port(), metrics=metrics)
         start_s = time.monotonic() - started
         try:
             with (
@@ -731,7 +740,9 @@ def _host_ms(call: Callable[[], object], iters: int) -> float:
     return round(statistics.median(times) * 1e3, 4)
 
 
-def _main_cpu(out_path: Path | None, n: Callable[[int], int], *, inline_ops: bool | None) -> None:
+def _main_cpu(
+    out_path: Path | None, n: Callable[[int], int], *, inline_ops: bool | None, metrics: bool
+) -> None:
     """The service's per-call overhead on the CPU: floor, tiny AcceptTree, small BuildTree."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(1, DRAFT_LEN, CPU_VOCAB, generator=generator)
@@ -748,6 +759,7 @@ def _main_cpu(out_path: Path | None, n: Callable[[int], int], *, inline_ops: boo
         "torch": torch.__version__,
         "grpcio": grpc.__version__,
         "inline_ops": "default (off: CPU)" if inline_ops is None else inline_ops,
+        "server_metrics": metrics,
         "shape": {
             "batch_size": 1,
             "draft_len": DRAFT_LEN,
@@ -761,7 +773,9 @@ def _main_cpu(out_path: Path | None, n: Callable[[int], int], *, inline_ops: boo
     with tempfile.TemporaryDirectory() as tmp:
         unix_path = f"{tmp}/bench.sock"
         port = _free_port()
-        server = _start_server(unix_path, port, device="cpu", inline_ops=inline_ops)
+        server = _start_server(
+            unix_path, port, device="cpu", inline_ops=inline_ops, metrics=metrics
+        )
         try:
             for name, address in (("unix", f"unix:{unix_path}"), ("tcp", f"127.0.0.1:{port}")):
                 results["transports"][name] = _cpu_transport(
@@ -821,14 +835,21 @@ def _cpu_transport(
 
 
 def _profile(
-    out_dir: Path, unix_path: str, batch: dict[str, Any], iters: int, inline_ops: bool | None
+    out_dir: Path,
+    unix_path: str,
+    batch: dict[str, Any],
+    iters: int,
+    inline_ops: bool | None,
+    metrics: bool,
 ) -> None:
     """cProfile of serial BuildTree by reference into static destinations (the target's call):
     the server's process during ``iters`` calls, then this caller during ``iters`` more (one
     profiler at a time, so neither slows the other's calls); text summaries in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     server_prof = Path(unix_path).with_name("server.prof")
-    server = _start_server(unix_path, _free_port(), inline_ops=inline_ops, profile=server_prof)
+    server = _start_server(
+        unix_path, _free_port(), inline_ops=inline_ops, profile=server_prof, metrics=metrics
+    )
     client = Client(f"unix:{unix_path}", tensor_transport="ipc")
     logits, roots = batch["logits"], batch["roots"]
 

@@ -26,7 +26,7 @@ import platform
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -166,14 +166,17 @@ class EngineObserver(Protocol):
         ...
 
 
+_NO_TIMER: AbstractContextManager[None] = contextlib.nullcontext()
+"""The ``with`` block of an op that is not timed (stateless, so one serves every op)."""
+
+
 class _NullObserver:
     """Observer that records nothing."""
 
-    @contextlib.contextmanager
     def time_op(
         self, op: str, device: torch.device, stream: torch.cuda.Stream | None = None
-    ) -> Iterator[None]:
-        yield
+    ) -> AbstractContextManager[None]:
+        return _NO_TIMER
 
     def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
         return None
@@ -864,11 +867,7 @@ class Engine:
             assert whole is not None  # made by _flag_buffers
             whole[0].zero_()
         self._flags_are_zero = False  # until _check_flags reads this launch's flags back
-        timer = (
-            self._observer.time_op(op, self.device, self._stream)
-            if observe
-            else contextlib.nullcontext()
-        )
+        timer = self._observer.time_op(op, self.device, self._stream) if observe else _NO_TIMER
         try:
             with timer:
                 result = launch(flags)

@@ -6,8 +6,9 @@ counters ending in ``_total``; labels are low-cardinality (``service``, ``method
 ``op``, ``device``, ``model``, ``depth``, ``budget``), never request ids, shapes or tokens.
 
 Nothing here synchronises with a GPU, and the op path stays cheap. Device time comes from CUDA
-events recorded around an op on the current stream; speculation data is snapshotted (CPU: a
-clone; CUDA: device-to-host copies into pinned memory followed by an event). Both wait in a
+events recorded around an op on its stream (a pool of events, reused once read); speculation
+data is snapshotted (CPU: tree sizes read into a list, walks cloned; CUDA: device-to-host copies
+into pinned memory followed by an event). Both wait in a
 bounded queue that is counted in batches without blocking: before every scrape, so each scrape
 is exact for everything the device has finished, and whenever ``batch`` observations have queued
 up. :meth:`Metrics.flush` waits for the device and counts everything (tests, shutdown).
@@ -26,10 +27,10 @@ length that budget would give::
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
@@ -247,7 +248,7 @@ def acceptance_stats(
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     """One observation waiting to be counted: ready once ``event`` (if any) has completed."""
 
@@ -257,18 +258,75 @@ class _Pending:
     """Completes when the device has produced the data; ``None`` for host data."""
     label: str
     """``model`` label (speculation) or unused (device time)."""
+    rows: int = 1
+    """Trees or walks it holds (1 for device time)."""
     tensors: tuple[torch.Tensor, ...] = ()
-    """Host tensors: ``(num_nodes,)`` or ``(nodes, length, num_nodes)``."""
-    timing: tuple[torch.cuda.Event, Histogram] | None = None
-    """Start event and histogram child of a device-time observation (``event`` is the end)."""
-
-    @property
-    def rows(self) -> int:
-        """Trees or walks it holds (1 for device time)."""
-        return int(self.tensors[0].shape[0]) if self.tensors else 1
+    """Pinned host copies: ``(num_nodes,)`` of trees built on the device, or
+    ``(nodes, length, num_nodes)`` of walks."""
+    counts: list[int] | None = None
+    """``num_nodes`` of trees observed on the host, as read when observed."""
+    timing: _Timing | None = None
+    """Device time: its start event, histogram child and device index (``event`` is the end)."""
 
     def is_ready(self) -> bool:
         return self.event is None or bool(self.event.query())
+
+
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    start: torch.cuda.Event
+    histogram: Histogram
+    device_index: int
+
+
+class _DeviceTimer:
+    """The ``with`` block of one op launch (:meth:`Metrics.time_op`).
+
+    On CUDA it records a start and an end event, taken from the metrics' pool, on the op's
+    stream and queues them; elsewhere it observes the host wall time. Nothing is recorded if
+    the block raises.
+    """
+
+    __slots__ = ("_device", "_events", "_histogram", "_metrics", "_start_s", "_stream")
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        histogram: Histogram,
+        device: torch.device,
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        self._metrics = metrics
+        self._histogram = histogram
+        self._device = device
+        self._stream = stream
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._start_s = 0.0
+
+    def __enter__(self) -> None:
+        if self._device.type != "cuda":
+            self._start_s = time.perf_counter()
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream(self._device)
+        self._events = self._metrics._take_events(self._stream.device_index)
+        self._events[0].record(self._stream)
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        events = self._events
+        if events is None:  # host wall time
+            if exc_type is None:
+                self._histogram.observe(time.perf_counter() - self._start_s)
+            return
+        stream = self._stream
+        assert stream is not None  # set by __enter__ with the events
+        if exc_type is not None:
+            self._metrics._give_events(stream.device_index, events)
+            return
+        start, end = events
+        end.record(stream)
+        timing = _Timing(start, self._histogram, stream.device_index)
+        self._metrics._enqueue(_Pending("device_time", end, "", timing=timing))
 
 
 class _LengthHistogram(Collector):
@@ -377,6 +435,12 @@ class Metrics:
         self._max_pending = max_pending
         self._batch = batch
         self._pending_rows = 0
+        # Timing events no observation holds, by device index, and the series children of each
+        # label set once used: a call and its op look them up instead of creating anything.
+        self._free_events: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
+        self._op_histograms: dict[tuple[str, torch.device], Histogram] = {}
+        self._rpc_in_flight: dict[tuple[str, str], Gauge] = {}
+        self._rpc_finished: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
         registry.register(_DrainBeforeScrape(self.poll))
 
         self.rpc_calls = Counter(
@@ -604,25 +668,40 @@ class Metrics:
 
     def rpc_started(self, service: str, method: str) -> None:
         """Count a call of ``service/method`` as in flight."""
-        self.rpc_in_flight.labels(service, method).inc()
+        self._in_flight(service, method).inc()
 
     def rpc_finished(self, service: str, method: str, code: str, latency_seconds: float) -> None:
         """Record a finished call: its status ``code`` name (e.g. ``"OK"``) and latency."""
-        self.rpc_in_flight.labels(service, method).dec()
-        self.rpc_calls.labels(service, method, code).inc()
-        self.rpc_latency.labels(service, method, code).observe(latency_seconds)
+        self._in_flight(service, method).dec()
+        finished = self._rpc_finished.get((service, method, code))
+        if finished is None:
+            finished = self._rpc_finished[service, method, code] = (
+                self.rpc_calls.labels(service, method, code),
+                self.rpc_latency.labels(service, method, code),
+            )
+        calls, latency = finished
+        calls.inc()
+        latency.observe(latency_seconds)
+
+    def _in_flight(self, service: str, method: str) -> Gauge:
+        gauge = self._rpc_in_flight.get((service, method))
+        if gauge is None:
+            gauge = self._rpc_in_flight[service, method] = self.rpc_in_flight.labels(
+                service, method
+            )
+        return gauge
 
     # ------------------------------------------------------------------ device time
 
-    @contextlib.contextmanager
     def time_op(
         self, op: str, device: torch.device, stream: torch.cuda.Stream | None = None
-    ) -> Iterator[None]:
+    ) -> AbstractContextManager[None]:
         """Measure the device time of the op launched inside the ``with`` block.
 
         On CUDA two timing events are recorded on ``stream`` around the block and read once
-        the device has passed the second one (no host sync); elsewhere the host wall time of
-        the block is observed. Nothing is recorded if the block raises.
+        the device has passed the second one (no host sync); the events are reused once read.
+        Elsewhere the host wall time of the block is observed. Nothing is recorded if the block
+        raises.
 
         Parameters
         ----------
@@ -634,20 +713,28 @@ class Metrics:
             Stream the op is queued on; ``None``: the current stream of ``device`` (looking it
             up costs more host time than the rest of this).
         """
-        histogram = self.op_device_seconds.labels(op, str(device))
-        if device.type != "cuda":
-            start_s = time.perf_counter()
-            yield
-            histogram.observe(time.perf_counter() - start_s)
-            return
-        if stream is None:
-            stream = torch.cuda.current_stream(device)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        yield
-        end.record(stream)
-        self._enqueue(_Pending("device_time", end, "", timing=(start, histogram)))
+        histogram = self._op_histograms.get((op, device))
+        if histogram is None:
+            histogram = self._op_histograms[op, device] = self.op_device_seconds.labels(
+                op, str(device)
+            )
+        return _DeviceTimer(self, histogram, device, stream)
+
+    def _take_events(self, device_index: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """A start and an end timing event for ``device_index``, from the pool if it has one."""
+        with self._lock:
+            free = self._free_events.get(device_index)
+            if free:
+                return free.pop()
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def _give_events(
+        self, device_index: int, events: tuple[torch.cuda.Event, torch.cuda.Event]
+    ) -> None:
+        """Return timing events nothing reads any more (read, dropped or never ended) to the
+        pool; an event still pending on the device may be recorded again."""
+        with self._lock:
+            self._free_events.setdefault(device_index, []).append(events)
 
     # ------------------------------------------------------------------ speculation
 
@@ -662,8 +749,13 @@ class Metrics:
         model : str
             The call's model label, ``""`` for none.
         """
-        event, host = _snapshot(num_nodes)
-        self._enqueue(_Pending("tree", event, self.model_label(model), host))
+        label = self.model_label(model)
+        rows = int(num_nodes.shape[0])
+        if num_nodes.is_cuda:
+            event, host = _snapshot(num_nodes)
+            self._enqueue(_Pending("tree", event, label, rows, tensors=host))
+        else:  # a list of a few ints: cheaper to take than a cloned tensor
+            self._enqueue(_Pending("tree", None, label, rows, counts=num_nodes.tolist()))
 
     def observe_acceptance(
         self,
@@ -688,7 +780,8 @@ class Metrics:
             The call's model label, ``""`` for none.
         """
         event, hosts = _snapshot(nodes, length, num_nodes)
-        self._enqueue(_Pending("acceptance", event, self.model_label(model), hosts))
+        rows = int(nodes.shape[0])
+        self._enqueue(_Pending("acceptance", event, self.model_label(model), rows, tensors=hosts))
 
     def _count_acceptance(self, stats: AcceptanceStats, label: str) -> None:
         if stats.walks == 0:
@@ -712,6 +805,7 @@ class Metrics:
     # ------------------------------------------------------------------ deferred queue
 
     def _enqueue(self, item: _Pending) -> None:
+        dropped = None
         with self._lock:
             if len(self._pending) >= self._max_pending:
                 dropped = self._pending.popleft()
@@ -721,6 +815,9 @@ class Metrics:
             self._pending_rows += item.rows
             # Walks, not calls, set the cost of a statistics pass: bound both.
             is_due = len(self._pending) >= self._batch or self._pending_rows >= 64 * self._batch
+        if dropped is not None and dropped.timing is not None:
+            assert dropped.event is not None  # device time always ends with an event
+            self._give_events(dropped.timing.device_index, (dropped.timing.start, dropped.event))
         if is_due:
             self.poll()
 
@@ -751,21 +848,22 @@ class Metrics:
 
     def _count(self, items: Sequence[_Pending]) -> None:
         """Fold observations into the metrics, one statistics pass per model and path length."""
-        trees: dict[str, list[torch.Tensor]] = collections.defaultdict(list)
+        trees: dict[str, list[int]] = collections.defaultdict(list)  # num_nodes per label
         walks: dict[tuple[str, int], list[tuple[torch.Tensor, ...]]] = collections.defaultdict(list)
         for item in items:
             if item.timing is not None:
-                start, histogram = item.timing
+                timing = item.timing
                 assert item.event is not None  # device time always ends with an event
-                histogram.observe(start.elapsed_time(item.event) / 1000.0)
+                timing.histogram.observe(timing.start.elapsed_time(item.event) / 1000.0)
+                self._give_events(timing.device_index, (timing.start, item.event))
             elif item.kind == "tree":
-                trees[item.label].append(item.tensors[0])
+                counts = item.tensors[0].tolist() if item.counts is None else item.counts
+                trees[item.label].extend(counts)
             else:
                 walks[(item.label, item.tensors[0].shape[1])].append(item.tensors)
-        for label, parts in trees.items():
-            num_nodes = torch.cat(parts).to(torch.int64)  # [trees]
-            self.trees.labels(label).inc(int(num_nodes.numel()))
-            self.draft_nodes.labels(label).inc(int((num_nodes - 1).clamp_min(0).sum()))
+        for label, counts in trees.items():
+            self.trees.labels(label).inc(len(counts))
+            self.draft_nodes.labels(label).inc(sum(n - 1 for n in counts if n > 1))
         for (label, _), batches in walks.items():
             columns = zip(*batches, strict=True)  # nodes, length, num_nodes
             nodes, length, num_nodes = (torch.cat(column) for column in columns)

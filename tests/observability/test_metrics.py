@@ -358,6 +358,39 @@ def test_time_op_on_cuda_reads_event_time_after_the_device_passes(metrics, regis
 
 
 @pytest.mark.gpu
+def test_time_op_reuses_events_once_read_and_never_before(registry):
+    device = torch.device("cuda", 0)
+    metrics = Metrics(registry, max_pending=3, batch=3)
+    stream = torch.cuda.Stream(device)
+    a = torch.randn(1024, 1024, device=device)
+    seen: set[int] = set()
+    for round_ in range(3):
+        held = []  # events of observations not read yet: none may be handed out again
+        for _ in range(2):
+            with metrics.time_op("build_tree", device, stream), torch.cuda.stream(stream):
+                a = a @ a.T / 1024
+            held.append(metrics._pending[-1])
+        ids = {id(e) for item in held for e in (item.timing.start, item.event)}
+        assert len(ids) == 4
+        if round_:
+            assert ids <= seen  # the first round's events, read by flush, come back
+        seen |= ids
+        metrics.flush()
+    # A fourth op while three wait (the stream held back) drops the oldest: its events come
+    # back unread, and every pair is back in the pool once the rest are read.
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1 << 28)  # about 0.1 s: none of the four is ready when queued
+    for _ in range(4):
+        with metrics.time_op("build_tree", device, stream), torch.cuda.stream(stream):
+            a = a @ a.T / 1024
+    metrics.flush()
+    labels = {"op": "build_tree", "device": "cuda:0"}
+    assert registry.get_sample_value("ddtree_op_device_seconds_count", labels) == 6 + 3
+    assert registry.get_sample_value("ddtree_metrics_dropped_total", {"kind": "device_time"}) == 1
+    assert len(metrics._free_events[0]) == 4  # two pairs from the rounds, two made for the four
+
+
+@pytest.mark.gpu
 def test_cuda_acceptances_count_like_cpu_ones(registry):
     nodes, length, num_nodes = _random_walks(64, 16, 1025, seed=3)
     on_cpu = Metrics(CollectorRegistry())
