@@ -39,7 +39,8 @@ __all__ = [
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TOPK_WARPS = (8, 4, 2, 1)
-"""Warps per ``ddtree_build_topk`` block (``TOPK_WARPS``): 8, fewer where shared memory is short."""
+"""Warps per ``ddtree_build_topk`` block (``TOPK_WARPS``): 8, fewer where shared memory is short,
+and 4 at large budgets where eight warps' blocks would fit one per SM (``build_tree_plan``)."""
 _TOPK_UNROLL = 4
 """16-byte loads per lane and step (``UNROLL`` in build_tree.cu)."""
 _TOPK_MIN_BLOCKS = 2
@@ -202,8 +203,15 @@ def build_tree_plan(
     # bytes and a 4-byte first token each).
     cap = max(2 * top_k, _TOPK_MIN_SHRINK) + 32 * vec
     hits = 32 * (unroll + 1)
+    warp_smem = cap * 8 + hits * 20
+
+    def fitting(warps: int) -> int:
+        # Blocks of ``warps`` per SM that the shared memory allows (the per-block opt-in limit
+        # stands in for the SM's capacity).
+        return (max_smem_bytes + _STATIC_SMEM_RESERVE) // (warps * warp_smem + _TOPK_STATIC_SMEM)
+
     for warps in _TOPK_WARPS:
-        topk_smem = warps * (cap * 8 + hits * 20)
+        topk_smem = warps * warp_smem
         if topk_smem <= max_smem_bytes:
             break
     else:
@@ -211,17 +219,24 @@ def build_tree_plan(
             f"max_budget: {max_budget} needs {topk_smem} bytes of shared memory per block, "
             f"{max_smem_bytes} available"
         )
+    if (
+        warps == 8
+        and fitting(8) < min_blocks <= fitting(4)
+        and num_sms * min(2 * min_blocks, fitting(4)) < 2 * rows
+    ):
+        # Large budgets (top_k above 572 on the H200): eight warps' buffers leave one block
+        # per SM, its SM idle while the block ends its row. Blocks of four warps, asking the
+        # compiler for twice as many (the same registers per thread), keep two or more per SM:
+        # B 32 K 1024 top-k 432 -> 307 us, op 0.646 -> 0.488 ms; B 128 0.69-0.77x the time from
+        # K 576. Only where the rows fill those blocks without being split: split rows cost
+        # more than the blocks win (B 8 K 576-768: 1.12-1.15x the time; docs/kernels.md). At
+        # B 16 it is 1.04x at K 576-640, 0.84x at K 1024.
+        warps, min_blocks = 4, 2 * min_blocks
+        topk_smem = warps * warp_smem
     tile = warps * step
     tiles = -(-vocab_size // tile)
-    # Blocks per SM that the shared memory allows (the per-block opt-in limit stands in for the
-    # SM's capacity), at most what the register cap was chosen for.
-    resident = max(
-        1,
-        min(
-            min_blocks,
-            (max_smem_bytes + _STATIC_SMEM_RESERVE) // (topk_smem + _TOPK_STATIC_SMEM),
-        ),
-    )
+    # Blocks per SM that the shared memory allows, at most what the register cap was chosen for.
+    resident = max(1, min(min_blocks, fitting(warps)))
 
     # Chunks per row: one once the rows fill every resident slot (on the H200 more chunks per
     # row cost more in per-block set-up and merge than they win back in the last wave), else

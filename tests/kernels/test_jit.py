@@ -210,6 +210,31 @@ def test_build_tree_plan_merges_in_the_topk_blocks_when_one_block_covers_a_row()
     assert not tree_cuda.build_tree_plan(16, 32, 163840, 512).merge_here  # 8 x 512 > the room
 
 
+def test_build_tree_plan_keeps_two_topk_blocks_per_sm_at_large_budgets() -> None:
+    plan = tree_cuda.build_tree_plan
+    h200 = 227 * 1024 - 36 * 1024  # the opt-in less the static reserve (max_dynamic_smem)
+
+    def geometry(batch_size: int, budget: int, smem: int = h200) -> tuple[int, int, int]:
+        p = plan(batch_size, 16, 163840, budget, max_smem_bytes=smem)
+        return p.warps, p.min_blocks, p.num_chunks
+
+    # Eight warps' buffers fit two blocks per SM up to top_k 572; past it, blocks of four warps
+    # asking for four per SM (the same 128 registers per thread) ...
+    assert [geometry(32, k) for k in (64, 512, 572, 573, 1024)] == [
+        (8, 2, 1),
+        (8, 2, 1),
+        (8, 2, 1),
+        (4, 4, 1),
+        (4, 4, 1),
+    ]
+    assert plan(32, 16, 163840, 1024, max_smem_bytes=h200).topk.block == (128, 1, 1)
+    # ... where the rows fill them unsplit (at 128 rows they would be split in two).
+    assert [geometry(b, 1024) for b in (1, 8, 16)] == [(8, 2, 2), (8, 2, 1), (4, 4, 1)]
+    # Where fewer warps are taken for room (sm_120), the register cap stays.
+    sm120 = 63 * 1024
+    assert [geometry(32, k, sm120)[:2] for k in (64, 1024)] == [(4, 2), (2, 2)]
+
+
 def test_build_tree_plan_gives_the_wide_select_a_store() -> None:
     plan = tree_cuda.build_tree_plan
     assert plan(32, 16, 163840, 96).wide_cap == 0  # every budget pops from registers
