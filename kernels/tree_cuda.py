@@ -40,11 +40,14 @@ __all__ = [
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TOPK_WARPS = (8, 4, 2, 1)
 """Warps per ``ddtree_build_topk`` block (``TOPK_WARPS``): 8, fewer where shared memory is short,
-and 4 at large budgets where eight warps' blocks would fit one per SM (``build_tree_plan``)."""
+or 4 where ``_topk_geometry`` measured them faster."""
 _TOPK_UNROLL = 4
 """16-byte loads per lane and step (``UNROLL`` in build_tree.cu)."""
 _TOPK_MIN_BLOCKS = 2
 """Blocks of ``ddtree_build_topk`` resident per SM that its ``__launch_bounds__`` asks for."""
+_TOPK_BOUND_MAX_J = 16
+"""Largest ``j = ceil(top_k / warps)`` for which a top-k warp publishes the j-th largest of its
+lanes' running maxima while it streams (``TOPK_BOUND_MAX_J``)."""
 _TOPK_MIN_SHRINK = 512
 """A warp shrinks its candidate buffer once it holds more than ``max(2 * top_k, 512)``."""
 _MERGE_THREADS = 256
@@ -143,6 +146,7 @@ class BuildTreePlan:
             "TOPK_WARPS": self.warps,
             "UNROLL": self.unroll,
             "TOPK_MIN_BLOCKS": self.min_blocks,
+            "TOPK_BOUND_MAX_J": _TOPK_BOUND_MAX_J,
         }
 
 
@@ -204,12 +208,6 @@ def build_tree_plan(
     cap = max(2 * top_k, _TOPK_MIN_SHRINK) + 32 * vec
     hits = 32 * (unroll + 1)
     warp_smem = cap * 8 + hits * 20
-
-    def fitting(warps: int) -> int:
-        # Blocks of ``warps`` per SM that the shared memory allows (the per-block opt-in limit
-        # stands in for the SM's capacity).
-        return (max_smem_bytes + _STATIC_SMEM_RESERVE) // (warps * warp_smem + _TOPK_STATIC_SMEM)
-
     for warps in _TOPK_WARPS:
         topk_smem = warps * warp_smem
         if topk_smem <= max_smem_bytes:
@@ -219,24 +217,15 @@ def build_tree_plan(
             f"max_budget: {max_budget} needs {topk_smem} bytes of shared memory per block, "
             f"{max_smem_bytes} available"
         )
-    if (
-        warps == 8
-        and fitting(8) < min_blocks <= fitting(4)
-        and num_sms * min(2 * min_blocks, fitting(4)) < 2 * rows
+    if warps == 8 and _four_warps_faster(
+        top_k, rows, num_sms, warp_smem, max_smem_bytes, min_blocks
     ):
-        # Large budgets (top_k above 572 on the H200): eight warps' buffers leave one block
-        # per SM, its SM idle while the block ends its row. Blocks of four warps, asking the
-        # compiler for twice as many (the same registers per thread), keep two or more per SM:
-        # B 32 K 1024 top-k 432 -> 307 us, op 0.646 -> 0.488 ms; B 128 0.69-0.77x the time from
-        # K 576. Only where the rows fill those blocks without being split: split rows cost
-        # more than the blocks win (B 8 K 576-768: 1.12-1.15x the time; docs/kernels.md). At
-        # B 16 it is 1.04x at K 576-640, 0.84x at K 1024.
         warps, min_blocks = 4, 2 * min_blocks
         topk_smem = warps * warp_smem
     tile = warps * step
     tiles = -(-vocab_size // tile)
     # Blocks per SM that the shared memory allows, at most what the register cap was chosen for.
-    resident = max(1, min(min_blocks, fitting(warps)))
+    resident = max(1, min(min_blocks, _blocks_fitting(warps * warp_smem, max_smem_bytes)))
 
     # Chunks per row: one once the rows fill every resident slot (on the H200 more chunks per
     # row cost more in per-block set-up and merge than they win back in the last wave), else
@@ -294,6 +283,40 @@ def build_tree_plan(
         merge=jit.LaunchParams((rows, 1, 1), (merge_threads, 1, 1), merge_smem),
         select=jit.LaunchParams((batch_size, 1, 1), (_SELECT_THREADS, 1, 1), select_smem),
     )
+
+
+def _blocks_fitting(topk_smem: int, max_smem_bytes: int) -> int:
+    """Top-k blocks of ``topk_smem`` buffer bytes per SM that the shared memory allows (the
+    per-block opt-in limit stands in for the SM's capacity)."""
+    return (max_smem_bytes + _STATIC_SMEM_RESERVE) // (topk_smem + _TOPK_STATIC_SMEM)
+
+
+def _four_warps_faster(
+    top_k: int, rows: int, num_sms: int, warp_smem: int, max_smem_bytes: int, min_blocks: int
+) -> bool:
+    """Whether top-k blocks of four warps, asking for ``2 * min_blocks`` per SM (the same
+    registers per thread), beat the blocks of eight that fit: rows of ``top_k`` candidates,
+    ``warp_smem`` buffer bytes per warp. Measured on the H200 (docs/kernels.md, session 18):
+
+    * large budgets (top_k above 572 there): eight warps' blocks fit one per SM, whose SM
+      idles while the block ends its row; four-warp blocks keep two or more per SM, unless
+      their rows would be split (B 32 K 1024: 0.646 -> 0.480 ms; B 8 K 576-768 would be
+      1.12-1.15x the time);
+    * rows that fill at least one wave of four-warp blocks, as evenly as eight-warp blocks
+      fill theirs (four-warp blocks take twice as long per row), at budgets where halving the
+      warps keeps ``j = ceil(top_k / warps)`` on the same side of ``TOPK_BOUND_MAX_J`` (the
+      warps' running lane bounds): B 64-128, K 16-64 and 256-512, 0.80-0.96x the time; K
+      96-128 would be 1.10x, B 48 (1.45 waves of four-warp blocks) 1.06-1.33x.
+    """
+    blocks8 = min(min_blocks, _blocks_fitting(8 * warp_smem, max_smem_bytes))
+    blocks4 = min(2 * min_blocks, _blocks_fitting(4 * warp_smem, max_smem_bytes))
+    slots4 = num_sms * blocks4
+    if blocks8 < min_blocks <= blocks4:
+        return slots4 < 2 * rows  # the rows are not split
+    waves8 = -(-rows // (num_sms * blocks8))
+    even = blocks4 == 2 * blocks8 and rows >= slots4 and 2 * -(-rows // slots4) <= waves8
+    bound = _TOPK_BOUND_MAX_J
+    return even and (-(-top_k // 4) <= bound) == (-(-top_k // 8) <= bound)
 
 
 def _power_of_two_at_least(n: int) -> int:

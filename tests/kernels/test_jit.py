@@ -177,6 +177,7 @@ def test_build_tree_plan_covers_the_vocabulary(
         "TOPK_WARPS": plan.warps,
         "UNROLL": plan.unroll,
         "TOPK_MIN_BLOCKS": plan.min_blocks,
+        "TOPK_BOUND_MAX_J": 16,
     }
     assert plan.topk.grid == (plan.num_chunks, rows, 1)
     assert plan.topk.block == (plan.warps * 32, 1, 1)
@@ -210,7 +211,7 @@ def test_build_tree_plan_merges_in_the_topk_blocks_when_one_block_covers_a_row()
     assert not tree_cuda.build_tree_plan(16, 32, 163840, 512).merge_here  # 8 x 512 > the room
 
 
-def test_build_tree_plan_keeps_two_topk_blocks_per_sm_at_large_budgets() -> None:
+def test_build_tree_plan_takes_four_warp_topk_blocks_where_they_were_faster() -> None:
     plan = tree_cuda.build_tree_plan
     h200 = 227 * 1024 - 36 * 1024  # the opt-in less the static reserve (max_dynamic_smem)
 
@@ -218,8 +219,8 @@ def test_build_tree_plan_keeps_two_topk_blocks_per_sm_at_large_budgets() -> None
         p = plan(batch_size, 16, 163840, budget, max_smem_bytes=smem)
         return p.warps, p.min_blocks, p.num_chunks
 
-    # Eight warps' buffers fit two blocks per SM up to top_k 572; past it, blocks of four warps
-    # asking for four per SM (the same 128 registers per thread) ...
+    # Large budgets: eight warps' buffers fit two blocks per SM up to top_k 572; past it,
+    # blocks of four warps asking for four per SM (the same 128 registers per thread) ...
     assert [geometry(32, k) for k in (64, 512, 572, 573, 1024)] == [
         (8, 2, 1),
         (8, 2, 1),
@@ -230,6 +231,18 @@ def test_build_tree_plan_keeps_two_topk_blocks_per_sm_at_large_budgets() -> None
     assert plan(32, 16, 163840, 1024, max_smem_bytes=h200).topk.block == (128, 1, 1)
     # ... where the rows fill them unsplit (at 128 rows they would be split in two).
     assert [geometry(b, 1024) for b in (1, 8, 16)] == [(8, 2, 2), (8, 2, 1), (4, 4, 1)]
+    # Any budget: rows that fill four-warp blocks as evenly as eight-warp ones (1024 rows: two
+    # waves of 528 slots against four of 264; 768 rows: two against three), unless halving the
+    # warps takes j = ceil(top_k / warps) past 16, where the warps' lane bounds stop.
+    assert [geometry(64, k)[:2] for k in (16, 64, 65, 128, 129, 512)] == [
+        (4, 4),
+        (4, 4),
+        (8, 2),
+        (8, 2),
+        (4, 4),
+        (4, 4),
+    ]
+    assert geometry(48, 64)[:2] == geometry(32, 64)[:2] == (8, 2)
     # Where fewer warps are taken for room (sm_120), the register cap stays.
     sm120 = 63 * 1024
     assert [geometry(32, k, sm120)[:2] for k in (64, 1024)] == [(4, 2), (2, 2)]
