@@ -40,7 +40,7 @@ __all__ = [
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TOPK_WARPS = (8, 4, 2, 1)
 """Warps per ``ddtree_build_topk`` block (``TOPK_WARPS``): 8, fewer where shared memory is short,
-or 4 where ``_topk_geometry`` measured them faster."""
+or 4 where they were measured faster (``_four_warps_faster``)."""
 _TOPK_UNROLL = 4
 """16-byte loads per lane and step (``UNROLL`` in build_tree.cu)."""
 _TOPK_MIN_BLOCKS = 2
@@ -225,7 +225,7 @@ def build_tree_plan(
     tile = warps * step
     tiles = -(-vocab_size // tile)
     # Blocks per SM that the shared memory allows, at most what the register cap was chosen for.
-    resident = max(1, min(min_blocks, _blocks_fitting(warps * warp_smem, max_smem_bytes)))
+    resident = max(1, min(min_blocks, _blocks_fitting(topk_smem, max_smem_bytes)))
 
     # Chunks per row: one once the rows fill every resident slot (on the H200 more chunks per
     # row cost more in per-block set-up and merge than they win back in the last wave), else
