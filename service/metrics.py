@@ -863,7 +863,9 @@ class Metrics:
                 walks[(item.label, item.tensors[0].shape[1])].append(item.tensors)
         for label, counts in trees.items():
             self.trees.labels(label).inc(len(counts))
-            self.draft_nodes.labels(label).inc(sum(n - 1 for n in counts if n > 1))
+            # Draft nodes: num_nodes - 1 per tree, none for a tree of 0 nodes (sizes are >= 0;
+            # sum and count run in C, for the 16,384 trees a pass may hold).
+            self.draft_nodes.labels(label).inc(sum(counts) - len(counts) + counts.count(0))
         for (label, _), batches in walks.items():
             columns = zip(*batches, strict=True)  # nodes, length, num_nodes
             nodes, length, num_nodes = (torch.cat(column) for column in columns)

@@ -251,9 +251,9 @@ def test_observe_acceptance_exposes_walks_lengths_depths_and_curve(metrics, regi
 
 
 def test_observe_trees_counts_trees_and_draft_nodes(metrics, registry):
-    metrics.observe_trees(torch.tensor([65, 1, 10], dtype=torch.int32))
-    assert registry.get_sample_value("ddtree_trees_built_total", {"model": ""}) == 3
-    assert registry.get_sample_value("ddtree_draft_nodes_total", {"model": ""}) == 64 + 0 + 9
+    metrics.observe_trees(torch.tensor([65, 1, 10, 0], dtype=torch.int32))  # 0: no tree
+    assert registry.get_sample_value("ddtree_trees_built_total", {"model": ""}) == 4
+    assert registry.get_sample_value("ddtree_draft_nodes_total", {"model": ""}) == 64 + 0 + 9 + 0
 
 
 def test_model_labels_past_the_cap_are_counted_as_other(metrics, registry):
