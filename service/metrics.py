@@ -8,10 +8,10 @@ counters ending in ``_total``; labels are low-cardinality (``service``, ``method
 Nothing here synchronises with a GPU, and the op path stays cheap. Device time comes from CUDA
 events recorded around an op on its stream (a pool of events, reused once read); speculation
 data is snapshotted (CPU: tree sizes read into a list, walks cloned; CUDA: device-to-host copies
-into pinned memory followed by an event). Both wait in a
-bounded queue that is counted in batches without blocking: before every scrape, so each scrape
-is exact for everything the device has finished, and whenever ``batch`` observations have queued
-up. :meth:`Metrics.flush` waits for the device and counts everything (tests, shutdown).
+into pinned memory followed by an event). Both wait in a bounded queue that is counted in
+batches without blocking: before every scrape, so each scrape is exact for everything the device
+has finished, and whenever ``batch`` observations have queued up. :meth:`Metrics.flush` waits
+for the device and counts everything (tests, shutdown).
 
 The live budget curve uses the nested property of DDTree trees (Ringel & Romano, arXiv
 2604.12989): the tree of budget ``b`` is exactly the first ``b`` popped nodes of any larger tree,
@@ -274,6 +274,8 @@ class _Pending:
 
 @dataclass(frozen=True, slots=True)
 class _Timing:
+    """What a device-time observation needs besides its end event."""
+
     start: torch.cuda.Event
     histogram: Histogram
     device_index: int
