@@ -28,6 +28,9 @@ tensors inline. Writes ``bench/results/<date>-<device>-ipc-timeline.json`` (or `
 ``--cpus SERVER/CALLER`` (e.g. ``2,3/4``) pins the server process and this one to those CPUs, as
 a deployment that gives both exclusive cores would (Kubernetes' static CPU manager policy).
 
+The server runs with its Prometheus metrics on (a free loopback port), as the Helm chart
+deploys it (since session 18).
+
 Usage: ``python bench/bench_ipc_timeline.py [--cpu] [--calls N] [--cpus S/C] [--out PATH]``.
 """
 
@@ -40,6 +43,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -147,12 +151,16 @@ def _server(
     socket_path: str, device: str, out: str, cpus: set[int] | None = None
 ) -> Iterator[subprocess.Popen[str]]:
     """``ddtree serve`` with its stamps, serving on ``socket_path`` for the ``with`` block
-    (on ``cpus`` when given: every thread it starts inherits them)."""
+    (on ``cpus`` when given: every thread it starts inherits them), with its Prometheus metrics
+    on a free loopback port, as deployed."""
     script = Path(socket_path).with_name("serve_timeline.py")
     script.write_text(_LAUNCHER)
     command = [sys.executable, str(script), "serve", "--listen", f"unix:{socket_path}"]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        metrics_port = str(probe.getsockname()[1])
     process = subprocess.Popen(
-        [*command, "--device", device],
+        [*command, "--device", device, "--metrics-port", metrics_port],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "DDTREE_TIMELINE_OUT": out},
