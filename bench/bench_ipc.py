@@ -487,6 +487,7 @@ def _main_serial_only(label: str, out: Path, iters: int, metrics: bool) -> None:
         "ddtree": str(Path(ddtree.__file__).parent),
         "server_start_s": round(start_s, 1),
         "build_tree_repeatable": same,
+        "server_metrics": metrics,
     }
     line.update({name: _stats(values) for name, values in latencies.items()})
     line["build_tree_above_echo_ms"] = round(
