@@ -32,11 +32,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 from wsgiref.simple_server import WSGIServer
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -99,6 +100,8 @@ OP_SECONDS_BUCKETS: tuple[float, ...] = tuple(
 
 ACCEPTANCE_LENGTH_BUCKETS: tuple[float, ...] = tuple(float(n) for n in range(1, MAX_DRAFT_LEN + 2))
 """Acceptance-length buckets: every integer 1..``MAX_DRAFT_LEN + 1``."""
+
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
 
 _NO_MODEL = ""
 _OTHER_MODEL = "other"
@@ -440,9 +443,7 @@ class Metrics:
         # Timing events no observation holds, by device index, and the series children of each
         # label set once used: a call and its op look them up instead of creating anything.
         self._free_events: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
-        self._op_histograms: dict[tuple[str, torch.device], Histogram] = {}
-        self._rpc_in_flight: dict[tuple[str, str], Gauge] = {}
-        self._rpc_finished: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         registry.register(_DrainBeforeScrape(self.poll))
 
         self.rpc_calls = Counter(
@@ -670,28 +671,22 @@ class Metrics:
 
     def rpc_started(self, service: str, method: str) -> None:
         """Count a call of ``service/method`` as in flight."""
-        self._in_flight(service, method).inc()
+        self._child(self.rpc_in_flight, service, method).inc()
 
     def rpc_finished(self, service: str, method: str, code: str, latency_seconds: float) -> None:
         """Record a finished call: its status ``code`` name (e.g. ``"OK"``) and latency."""
-        self._in_flight(service, method).dec()
-        finished = self._rpc_finished.get((service, method, code))
-        if finished is None:
-            finished = self._rpc_finished[service, method, code] = (
-                self.rpc_calls.labels(service, method, code),
-                self.rpc_latency.labels(service, method, code),
-            )
-        calls, latency = finished
-        calls.inc()
-        latency.observe(latency_seconds)
+        self._child(self.rpc_in_flight, service, method).dec()
+        self._child(self.rpc_calls, service, method, code).inc()
+        self._child(self.rpc_latency, service, method, code).observe(latency_seconds)
 
-    def _in_flight(self, service: str, method: str) -> Gauge:
-        gauge = self._rpc_in_flight.get((service, method))
-        if gauge is None:
-            gauge = self._rpc_in_flight[service, method] = self.rpc_in_flight.labels(
-                service, method
-            )
-        return gauge
+    def _child(self, metric: _Metric, *labels: str) -> _Metric:
+        """``metric.labels(*labels)``, looked up once per label set: the series a call or an op
+        updates cost a dictionary lookup instead of the client's label validation and lock."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return cast(_Metric, child)
 
     # ------------------------------------------------------------------ device time
 
@@ -715,11 +710,7 @@ class Metrics:
             Stream the op is queued on; ``None``: the current stream of ``device`` (looking it
             up costs more host time than the rest of this).
         """
-        histogram = self._op_histograms.get((op, device))
-        if histogram is None:
-            histogram = self._op_histograms[op, device] = self.op_device_seconds.labels(
-                op, str(device)
-            )
+        histogram = self._child(self.op_device_seconds, op, str(device))
         return _DeviceTimer(self, histogram, device, stream)
 
     def _take_events(self, device_index: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
