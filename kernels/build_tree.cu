@@ -2119,7 +2119,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   __shared__ int16_t node_rank[DDTREE_MAX_NODES];
   __shared__ int8_t node_depth[DDTREE_MAX_NODES];
   __shared__ float node_score[DDTREE_MAX_NODES];
-  __shared__ int counts[32];
+  __shared__ int counts[DDTREE_MAX_DEPTH + 1];  // 0 past draft_len
   __shared__ int skip, total;
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t b = blockIdx.x;
@@ -2142,7 +2142,10 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
       }
     }
   }
-  for (int i = tid; i < draft_len; i += blockDim.x) counts[i] = topk_count[b * draft_len + i];
+  // Zero past draft_len: a last-depth node's missing child (key 0) asks counts[draft_len].
+  for (int i = tid; i <= DDTREE_MAX_DEPTH; i += blockDim.x) {
+    counts[i] = i < draft_len ? topk_count[b * draft_len + i] : 0;
+  }
   const int64_t root = root_tokens[b];
   if (tid == 0) {
     int flags = error_flags[b];
