@@ -54,7 +54,8 @@
 //    one in the popped slot, unless the better one continues a chain (below). For budgets up
 //    to 96 the slots live in registers (two or three per lane, each with the keys of
 //    its own first child and next sibling computed when it enters, so that a pop waits on no
-//    memory; ties walk the popped nodes' parents). Beyond that they live in shared memory, each
+//    memory; ties compare the popped nodes' rank tuples packed in two words, built from a
+//    request's first tie on). Beyond that they live in shared memory, each
 //    lane keeps the best of its slots in registers, ties compare a packed prefix of the tuple
 //    first (`bits` per depth, rank + 1, 0 past the node's depth: a few word compares) and walk
 //    parents only when the prefixes agree, and after a pop the whole warp rescans the owner's
@@ -1555,6 +1556,91 @@ __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len,
   return popped;
 }
 
+// The register select's popped nodes (root included): budgets up to 96.
+#define DDTREE_REG_MAX_NODES 97
+
+// A rank tuple packed in two words for the register select's exact ties: depth d's rank + 1 in
+// `bits` bits, `per` = 64 / bits depths per word (depths 1..per in hi, per + 1..2 per in lo), 0
+// past the node's depth, so that comparing (hi, lo) is comparing tuples, a prefix first. Depths
+// past 2 per are not packed: two tuples that differ only there compare equal, and the caller
+// walks parents (at budget 64: 7 bits, 18 depths packed).
+struct ddtree_lex2 {
+  uint64_t hi, lo;
+};
+
+// `lex` with `add` added to depth's field: a node's tuple from its parent's (add = rank + 1).
+// Fields never carry: rank + 1 <= top_k < 2^bits.
+__device__ __forceinline__ ddtree_lex2 ddtree_lex2_add(ddtree_lex2 lex, int depth, int add,
+                                                       int bits, int per) {
+  const int i = depth - 1;
+  if (i < per) {
+    lex.hi += (uint64_t)add << (64 - bits * (i + 1));
+  } else if (i < 2 * per) {
+    lex.lo += (uint64_t)add << (64 - bits * (i - per + 1));
+  }
+  return lex;
+}
+
+// The packed tuple of a frontier candidate (packed parent, rank, depth) from its parent's.
+__device__ __forceinline__ ddtree_lex2 ddtree_cand_lex2(uint32_t info, const ddtree_lex2* node_lex,
+                                                        int bits, int per) {
+  return ddtree_lex2_add(node_lex[info & 2047], info >> 21, ((info >> 11) & 1023) + 1, bits, per);
+}
+
+// The packed tuples of popped nodes 1..popped, each by walking its parents (lane l takes nodes
+// l + 1, l + 33, ...), out of line: the register select builds them once, at a request's first
+// exact tie, and from then on extends each pop's from its parent's. One whole warp calls it.
+__device__ __noinline__ void ddtree_fill_lex2(int popped, int bits, int per,
+                                              const int16_t* node_parent, const int16_t* node_rank,
+                                              const int8_t* node_depth, ddtree_lex2* node_lex) {
+  for (int n = 1 + (threadIdx.x & 31); n <= popped; n += 32) {
+    ddtree_lex2 lex = {0ull, 0ull};
+    for (int j = n; j > 0; j = node_parent[j]) {
+      lex = ddtree_lex2_add(lex, node_depth[j], node_rank[j] + 1, bits, per);
+    }
+    node_lex[n] = lex;
+  }
+  __syncwarp();
+}
+
+// The lane holding the warp's smallest tuple among the lanes with `in` set (their best
+// candidates at the top key, `info` / `lex`): a warp min of each 32-bit word in turn while more
+// than one lane is left, then, for tuples equal in every packed depth, walks of the popped
+// nodes' parents. Every lane calls it; *win_info receives the winner's info.
+__device__ __forceinline__ int ddtree_lex2_owner(bool in, uint32_t info, ddtree_lex2 lex,
+                                                 const int16_t* node_parent,
+                                                 const int16_t* node_rank, uint32_t* win_info) {
+  const uint32_t words[4] = {(uint32_t)(lex.hi >> 32), (uint32_t)lex.hi, (uint32_t)(lex.lo >> 32),
+                             (uint32_t)lex.lo};
+  uint32_t tied = __ballot_sync(DDTREE_FULL, in);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    if ((tied & (tied - 1)) == 0) break;
+    const uint32_t v = in ? words[w] : ~0u;
+    const uint32_t least = __reduce_min_sync(DDTREE_FULL, v);  // every lane, before the &&
+    in = in && v == least;
+    tied = __ballot_sync(DDTREE_FULL, in);
+  }
+  int owner = __ffs(tied) - 1;
+  uint32_t won = __shfl_sync(DDTREE_FULL, info, owner);
+  for (uint32_t rest = tied & (tied - 1); rest != 0; rest &= rest - 1) {
+    const int other = __ffs(rest) - 1;
+    const uint32_t other_info = __shfl_sync(DDTREE_FULL, info, other);
+    if (ddtree_slot_lex_less(other_info, won, node_parent, node_rank)) {
+      won = other_info;
+      owner = other;
+    }
+  }
+  *win_info = won;
+  return owner;
+}
+
+// A compile-time flag for a generic lambda's two instances.
+template <bool B>
+struct ddtree_flag {
+  static constexpr bool value = B;
+};
+
 // A register frontier slot: the candidate (score key, 0: none; packed parent, rank, depth), its
 // parent's score, and the keys of its own first child and next sibling, computed when it enters
 // the frontier so that popping it needs no memory access on the path to the next pop.
@@ -1583,19 +1669,26 @@ __device__ __forceinline__ ddtree_reg_slot ddtree_make_slot(uint32_t key, int pa
 // The same pops with the frontier in registers: slot g is register g / 32 of lane g % 32, REGS
 // per lane, budget <= 32 * REGS (the frontier never exceeds the budget). A pop is a warp max of
 // the lanes' largest keys; when one slot of the warp holds it (the common case) its lane
-// broadcasts the slot, whose children's keys are already known; exact ties are rare and take
-// the general order by walking the popped nodes' parents (ddtree_cand_better and
-// ddtree_pop_owner with no packed prefixes). Register masks rather than index compares pick
-// slots: the compiler keeps them as selects on registers instead of moving `slot` to local
-// memory.
+// broadcasts the slot, whose children's keys are already known. Exact ties (common on peaked
+// bf16 rows) compare the candidates' rank tuples packed in two words (ddtree_lex2). The pop
+// loop is compiled twice: the first copy stores no tuples and stops at a request's first tie,
+// the popped nodes' tuples are then built by walking their parents, and the second copy extends
+// each pop's from its parent's (one loop testing a flag cost 5 % on rows without ties: session
+// 20 in docs/kernels.md). Register masks rather
+// than index compares pick slots: the compiler keeps them as selects on registers instead of
+// moving `slot` to local memory.
 template <int REGS>
 __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draft_len, int top_k,
                                                             const float* lp, const int* counts,
                                                             int16_t* node_parent,
                                                             int16_t* node_rank,
                                                             int8_t* node_depth,
-                                                            float* node_score) {
+                                                            float* node_score,
+                                                            ddtree_lex2* node_lex) {
   const int lane = threadIdx.x & 31;
+  const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
+  const int per = 64 / bits;
+  node_lex[0] = {0ull, 0ull};  // every lane: each reads its own write
   ddtree_reg_slot slot[REGS];
 #pragma unroll
   for (int r = 0; r < REGS; ++r) slot[r] = {0u, 0u, 0.0f, 0u, 0u};
@@ -1615,153 +1708,182 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
   };
   // The frontier's best key when the last round computed it (the `rest` below), else 0.
   uint32_t known_top = 0u;
-  while (popped < budget) {
-    uint32_t mine = 0u;
+  // The pop loop, compiled twice: without tuples (LEX false) it returns true at the first exact
+  // tie, before that round changes anything, and the loop with tuples takes over from there.
+  const auto pops = [&](auto lex_tag) -> bool {
+    constexpr bool LEX = decltype(lex_tag)::value;
+    while (popped < budget) {
+      uint32_t mine = 0u;
 #pragma unroll
-    for (int r = 0; r < REGS; ++r) mine = max(mine, slot[r].key);
-    const uint32_t top = known_top != 0u ? known_top : __reduce_max_sync(DDTREE_FULL, mine);
-    if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
-    uint32_t at_top = 0u;  // this lane's slots holding the top key
+      for (int r = 0; r < REGS; ++r) mine = max(mine, slot[r].key);
+      const uint32_t top = known_top != 0u ? known_top : __reduce_max_sync(DDTREE_FULL, mine);
+      if (top <= DDTREE_NEG_INF_KEY) break;  // nothing left, or only impossible nodes
+      uint32_t at_top = 0u;  // this lane's slots holding the top key
 #pragma unroll
-    for (int r = 0; r < REGS; ++r) at_top |= (slot[r].key == top ? 1u : 0u) << r;
-    const uint32_t lanes = __ballot_sync(DDTREE_FULL, at_top != 0u);
-    const uint32_t several = __ballot_sync(DDTREE_FULL, (at_top & (at_top - 1u)) != 0u);
-    int owner;
-    uint32_t pick;  // the owner's popped slot, as a register mask
-    if ((lanes & (lanes - 1u)) == 0u && several == 0u) {
-      owner = __ffs(lanes) - 1;
-      pick = at_top;
-    } else {
-      // An exact score tie: this lane's best slot by the whole order, then the warp's.
-      __syncwarp();  // the node tables the tie-break walks are complete
-      uint32_t best_key = 0u, best_info = 0u;
-      int best = -1;
-#pragma unroll
-      for (int r = 0; r < REGS; ++r) {
-        if (slot[r].key != 0u &&
-            (best < 0 || ddtree_cand_better(slot[r].key, 0ull, slot[r].info, best_key, 0ull,
-                                            best_info, node_parent, node_rank))) {
-          best_key = slot[r].key;
-          best_info = slot[r].info;
-          best = r;
-        }
-      }
-      uint32_t info;
-      owner = ddtree_pop_owner(top, best_key, 0ull, best_info, node_parent, node_rank, &info);
-      pick = best >= 0 ? 1u << best : 0u;
-    }
-    ddtree_reg_slot won = slot[0];
-#pragma unroll
-    for (int r = 1; r < REGS; ++r) {
-      if (pick & (1u << r)) won = slot[r];
-    }
-    const uint32_t info = __shfl_sync(DDTREE_FULL, won.info, owner);
-    const float parent_score = __shfl_sync(DDTREE_FULL, won.parent_score, owner);
-    const uint32_t child_key = __shfl_sync(DDTREE_FULL, won.child_key, owner);
-    const uint32_t sibling_key = __shfl_sync(DDTREE_FULL, won.sibling_key, owner);
-    const float score = ddtree_key_to_float(top);
-    const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
-    ++popped;
-    ddtree_store_node(popped, parent, rank, depth, score, node_parent, node_rank, node_depth,
-                      node_score);
-    if (popped == budget) break;
-    // The popped slot takes the first child, else the next sibling; a fresh slot takes the
-    // sibling when there are both.
-    const ddtree_reg_slot child = ddtree_make_slot(child_key, popped, 0, depth + 1, score,
-                                                   draft_len, top_k, lp, counts);
-    const ddtree_reg_slot sibling = ddtree_make_slot(sibling_key, parent, rank + 1, depth,
-                                                     parent_score, draft_len, top_k, lp, counts);
-    const uint32_t popped_reg = lane == owner ? pick : 0u;
-    // The best key of the rest of the frontier (every slot but the popped one).
-    uint32_t other = 0u;
-#pragma unroll
-    for (int r = 0; r < REGS; ++r) {
-      if (!(popped_reg & (1u << r))) other = max(other, slot[r].key);
-    }
-    uint32_t rest = max(__reduce_max_sync(DDTREE_FULL, other), (uint32_t)DDTREE_NEG_INF_KEY);
-    // The better successor (the child on equal keys: its rank tuple is the smaller). When it
-    // beats the whole rest strictly it is the next pop, known to every lane: pop a chain of such
-    // successors with no warp reduction, each time putting the other successor in a fresh slot.
-    const bool child_first = child_key != 0u && child_key >= sibling_key;
-    ddtree_reg_slot next = child_first ? child : sibling;
-    if (next.key <= rest) {
-      uint32_t fresh_reg = 0u;
-      if (child_key != 0u && sibling_key != 0u) {
-        const int fresh = size++;
-        fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
-      }
-      const bool take_child = child_key != 0u;
-#pragma unroll
-      for (int r = 0; r < REGS; ++r) {
-        if (popped_reg & (1u << r)) slot[r] = take_child ? child : sibling;
-        if (fresh_reg & (1u << r)) slot[r] = sibling;
-      }
-      known_top = rest;  // the successors are at most rest
-      continue;
-    }
-    {
-      const ddtree_reg_slot second = child_first ? sibling : child;  // key 0: none
-#pragma unroll
-      for (int r = 0; r < REGS; ++r) {
-        if (popped_reg & (1u << r)) slot[r] = second;
-      }
-      rest = max(rest, second.key);
-    }
-    while (next.key > rest) {
-      if (next.sibling_key > max(rest, next.child_key) && popped + 1 < budget) {
-        // A sibling run (ddtree_sibling_run) of m >= 1 pops. Lane j records X_j and makes
-        // C_j's slot, which joins fresh slot size + j (lane (size + j) % 32, none twice); X_m
-        // becomes `next`.
-        const int p = next.info & 2047, k = (next.info >> 11) & 1023, d = next.info >> 21;
-        const ddtree_run run =
-            ddtree_sibling_run(next.key, next.child_key, next.parent_score, k, d, rest,
-                               budget - popped - 1, draft_len, top_k, lp, counts);
-        const float x_score = ddtree_key_to_float(run.x);
-        if (lane < run.m) {
-          ddtree_store_node(popped + 1 + lane, p, k + lane, d, x_score, node_parent, node_rank,
-                            node_depth, node_score);
-        }
-        const ddtree_reg_slot made = ddtree_make_slot(run.c, popped + 1 + lane, 0, d + 1, x_score,
-                                                      draft_len, top_k, lp, counts);
-        const int from = (lane - size) & 31;
-        ddtree_reg_slot got;
-        got.key = __shfl_sync(DDTREE_FULL, made.key, from);
-        got.info = __shfl_sync(DDTREE_FULL, made.info, from);
-        got.parent_score = __shfl_sync(DDTREE_FULL, made.parent_score, from);
-        got.child_key = __shfl_sync(DDTREE_FULL, made.child_key, from);
-        got.sibling_key = __shfl_sync(DDTREE_FULL, made.sibling_key, from);
-        const uint32_t fresh_reg = from < run.m ? 1u << ((size + from) >> 5) : 0u;
+      for (int r = 0; r < REGS; ++r) at_top |= (slot[r].key == top ? 1u : 0u) << r;
+      const uint32_t lanes = __ballot_sync(DDTREE_FULL, at_top != 0u);
+      const uint32_t several = __ballot_sync(DDTREE_FULL, (at_top & (at_top - 1u)) != 0u);
+      int owner;
+      uint32_t pick;  // the owner's popped slot, as a register mask
+      if ((lanes & (lanes - 1u)) == 0u && several == 0u) {
+        owner = __ffs(lanes) - 1;
+        pick = at_top;
+      } else {
+        // An exact score tie: this lane's smallest tuple at the top key, then the warp's, by the
+        // packed tuples (parents walked only where they agree in every packed depth).
+        if constexpr (!LEX) return true;
+        __syncwarp();  // the node tables the tie-break reads are complete
+        uint32_t best_info = 0u;
+        ddtree_lex2 best_lex = {0ull, 0ull};
+        int best = -1;
 #pragma unroll
         for (int r = 0; r < REGS; ++r) {
-          if (fresh_reg & (1u << r)) slot[r] = got;
+          if (slot[r].key == top) {
+            const ddtree_lex2 lex = ddtree_cand_lex2(slot[r].info, node_lex, bits, per);
+            bool smaller = best < 0;
+            if (!smaller) {
+              smaller = lex.hi != best_lex.hi   ? lex.hi < best_lex.hi
+                        : lex.lo != best_lex.lo ? lex.lo < best_lex.lo
+                                                : ddtree_slot_lex_less(slot[r].info, best_info,
+                                                                       node_parent, node_rank);
+            }
+            if (smaller) {
+              best_info = slot[r].info;
+              best_lex = lex;
+              best = r;
+            }
+          }
         }
-        const uint32_t after = __shfl_sync(DDTREE_FULL, run.x, (run.m + 1) & 31);
-        next.key = __shfl_sync(DDTREE_FULL, run.x, run.m);
-        next.child_key = __shfl_sync(DDTREE_FULL, run.c, run.m);
-        next.info = ddtree_pack_slot(p, k + run.m, d);
-        next.sibling_key = run.m < 31 ? after
-                                      : ddtree_sibling_key(next.parent_score, k + run.m, d, top_k,
-                                                           lp, counts);
-        size += run.m;
-        popped += run.m;
-        rest = run.rest;
+        uint32_t info;
+        owner = ddtree_lex2_owner(best >= 0, best_info, best_lex, node_parent, node_rank, &info);
+        pick = best >= 0 ? 1u << best : 0u;
       }
-      const float next_score = ddtree_key_to_float(next.key);
-      const int p = next.info & 2047, k = (next.info >> 11) & 1023, d = next.info >> 21;
+      ddtree_reg_slot won = slot[0];
+#pragma unroll
+      for (int r = 1; r < REGS; ++r) {
+        if (pick & (1u << r)) won = slot[r];
+      }
+      const uint32_t info = __shfl_sync(DDTREE_FULL, won.info, owner);
+      const float parent_score = __shfl_sync(DDTREE_FULL, won.parent_score, owner);
+      const uint32_t child_key = __shfl_sync(DDTREE_FULL, won.child_key, owner);
+      const uint32_t sibling_key = __shfl_sync(DDTREE_FULL, won.sibling_key, owner);
+      const float score = ddtree_key_to_float(top);
+      const int parent = info & 2047, rank = (info >> 11) & 1023, depth = info >> 21;
       ++popped;
-      ddtree_store_node(popped, p, k, d, next_score, node_parent, node_rank, node_depth,
+      ddtree_store_node(popped, parent, rank, depth, score, node_parent, node_rank, node_depth,
                         node_score);
+      if constexpr (LEX) node_lex[popped] = ddtree_cand_lex2(info, node_lex, bits, per);
       if (popped == budget) break;
-      const ddtree_reg_slot c = ddtree_make_slot(next.child_key, popped, 0, d + 1, next_score,
-                                                 draft_len, top_k, lp, counts);
-      const ddtree_reg_slot s = ddtree_make_slot(next.sibling_key, p, k + 1, d,
-                                                 next.parent_score, draft_len, top_k, lp,
-                                                 counts);
-      next = ddtree_chain_successor(c, s, rest, insert);
+      // The popped slot takes the first child, else the next sibling; a fresh slot takes the
+      // sibling when there are both.
+      const ddtree_reg_slot child = ddtree_make_slot(child_key, popped, 0, depth + 1, score,
+                                                     draft_len, top_k, lp, counts);
+      const ddtree_reg_slot sibling = ddtree_make_slot(sibling_key, parent, rank + 1, depth,
+                                                       parent_score, draft_len, top_k, lp, counts);
+      const uint32_t popped_reg = lane == owner ? pick : 0u;
+      // The best key of the rest of the frontier (every slot but the popped one).
+      uint32_t other = 0u;
+#pragma unroll
+      for (int r = 0; r < REGS; ++r) {
+        if (!(popped_reg & (1u << r))) other = max(other, slot[r].key);
+      }
+      uint32_t rest = max(__reduce_max_sync(DDTREE_FULL, other), (uint32_t)DDTREE_NEG_INF_KEY);
+      // The better successor (the child on equal keys: its rank tuple is the smaller). When it
+      // beats the whole rest strictly it is the next pop, known to every lane: pop a chain of such
+      // successors with no warp reduction, each time putting the other successor in a fresh slot.
+      const bool child_first = child_key != 0u && child_key >= sibling_key;
+      ddtree_reg_slot next = child_first ? child : sibling;
+      if (next.key <= rest) {
+        uint32_t fresh_reg = 0u;
+        if (child_key != 0u && sibling_key != 0u) {
+          const int fresh = size++;
+          fresh_reg = lane == (fresh & 31) ? 1u << (fresh >> 5) : 0u;
+        }
+        const bool take_child = child_key != 0u;
+#pragma unroll
+        for (int r = 0; r < REGS; ++r) {
+          if (popped_reg & (1u << r)) slot[r] = take_child ? child : sibling;
+          if (fresh_reg & (1u << r)) slot[r] = sibling;
+        }
+        known_top = rest;  // the successors are at most rest
+        continue;
+      }
+      {
+        const ddtree_reg_slot second = child_first ? sibling : child;  // key 0: none
+#pragma unroll
+        for (int r = 0; r < REGS; ++r) {
+          if (popped_reg & (1u << r)) slot[r] = second;
+        }
+        rest = max(rest, second.key);
+      }
+      while (next.key > rest) {
+        if (next.sibling_key > max(rest, next.child_key) && popped + 1 < budget) {
+          // A sibling run (ddtree_sibling_run) of m >= 1 pops. Lane j records X_j and makes
+          // C_j's slot, which joins fresh slot size + j (lane (size + j) % 32, none twice); X_m
+          // becomes `next`.
+          const int p = next.info & 2047, k = (next.info >> 11) & 1023, d = next.info >> 21;
+          const ddtree_run run =
+              ddtree_sibling_run(next.key, next.child_key, next.parent_score, k, d, rest,
+                                 budget - popped - 1, draft_len, top_k, lp, counts);
+          const float x_score = ddtree_key_to_float(run.x);
+          if (lane < run.m) {
+            ddtree_store_node(popped + 1 + lane, p, k + lane, d, x_score, node_parent, node_rank,
+                              node_depth, node_score);
+            if constexpr (LEX) {
+              node_lex[popped + 1 + lane] =
+                  ddtree_lex2_add(node_lex[p], d, k + lane + 1, bits, per);
+            }
+          }
+          if constexpr (LEX) __syncwarp();  // a later pop of a run node's child reads its tuple
+          const ddtree_reg_slot made = ddtree_make_slot(run.c, popped + 1 + lane, 0, d + 1, x_score,
+                                                        draft_len, top_k, lp, counts);
+          const int from = (lane - size) & 31;
+          ddtree_reg_slot got;
+          got.key = __shfl_sync(DDTREE_FULL, made.key, from);
+          got.info = __shfl_sync(DDTREE_FULL, made.info, from);
+          got.parent_score = __shfl_sync(DDTREE_FULL, made.parent_score, from);
+          got.child_key = __shfl_sync(DDTREE_FULL, made.child_key, from);
+          got.sibling_key = __shfl_sync(DDTREE_FULL, made.sibling_key, from);
+          const uint32_t fresh_reg = from < run.m ? 1u << ((size + from) >> 5) : 0u;
+#pragma unroll
+          for (int r = 0; r < REGS; ++r) {
+            if (fresh_reg & (1u << r)) slot[r] = got;
+          }
+          const uint32_t after = __shfl_sync(DDTREE_FULL, run.x, (run.m + 1) & 31);
+          next.key = __shfl_sync(DDTREE_FULL, run.x, run.m);
+          next.child_key = __shfl_sync(DDTREE_FULL, run.c, run.m);
+          next.info = ddtree_pack_slot(p, k + run.m, d);
+          next.sibling_key = run.m < 31 ? after
+                                        : ddtree_sibling_key(next.parent_score, k + run.m, d, top_k,
+                                                             lp, counts);
+          size += run.m;
+          popped += run.m;
+          rest = run.rest;
+        }
+        const float next_score = ddtree_key_to_float(next.key);
+        const int p = next.info & 2047, k = (next.info >> 11) & 1023, d = next.info >> 21;
+        ++popped;
+        ddtree_store_node(popped, p, k, d, next_score, node_parent, node_rank, node_depth,
+                          node_score);
+        if constexpr (LEX) node_lex[popped] = ddtree_lex2_add(node_lex[p], d, k + 1, bits, per);
+        if (popped == budget) break;
+        const ddtree_reg_slot c = ddtree_make_slot(next.child_key, popped, 0, d + 1, next_score,
+                                                   draft_len, top_k, lp, counts);
+        const ddtree_reg_slot s = ddtree_make_slot(next.sibling_key, p, k + 1, d,
+                                                   next.parent_score, draft_len, top_k, lp,
+                                                   counts);
+        next = ddtree_chain_successor(c, s, rest, insert);
+      }
+      if (popped == budget) break;
+      if (next.key != 0u) insert(next);  // the chain's last successor joins the frontier
+      known_top = rest;  // no slot holds more: `next` and every inserted key are at most rest
     }
-    if (popped == budget) break;
-    if (next.key != 0u) insert(next);  // the chain's last successor joins the frontier
-    known_top = rest;  // no slot holds more: `next` and every inserted key are at most rest
+    return false;
+  };
+  if (pops(ddtree_flag<false>{})) {
+    __syncwarp();  // the node tables the tuples are built from are complete
+    ddtree_fill_lex2(popped, bits, per, node_parent, node_rank, node_depth, node_lex);
+    pops(ddtree_flag<true>{});
   }
   __syncwarp();  // the node tables are complete
   return popped;
@@ -2119,6 +2241,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   __shared__ int16_t node_rank[DDTREE_MAX_NODES];
   __shared__ int8_t node_depth[DDTREE_MAX_NODES];
   __shared__ float node_score[DDTREE_MAX_NODES];
+  __shared__ ddtree_lex2 node_lex[DDTREE_REG_MAX_NODES];  // the register select's tie tuples
   __shared__ int counts[DDTREE_MAX_DEPTH + 1];  // 0 past draft_len
   __shared__ int skip, total;
   const int tid = threadIdx.x, lane = tid & 31;
@@ -2186,10 +2309,12 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   if (tid < 32 && popped < 0) {
     if (budget <= 64) {
       popped = ddtree_select_pops_registers<2>(budget, draft_len, top_k, lp, counts,
-                                               node_parent, node_rank, node_depth, node_score);
+                                               node_parent, node_rank, node_depth, node_score,
+                                               node_lex);
     } else if (budget <= 96) {
       popped = ddtree_select_pops_registers<3>(budget, draft_len, top_k, lp, counts,
-                                               node_parent, node_rank, node_depth, node_score);
+                                               node_parent, node_rank, node_depth, node_score,
+                                               node_lex);
     } else {
       popped = ddtree_select_pops_shared(budget, draft_len, top_k, lp, counts, node_parent,
                                          node_rank, node_depth, node_score);
