@@ -1242,6 +1242,26 @@ struct ddtree_cand {
   uint64_t lex;
 };
 
+// Of the lanes in `tied` (their candidates' infos in `info`, tied in every packed comparison),
+// the one whose candidate has the smallest rank tuple, by walking the popped nodes' parents;
+// *win_info receives its info. Every lane calls it with the same `tied`.
+__device__ __forceinline__ int ddtree_tied_owner(uint32_t tied, uint32_t info,
+                                                 const int16_t* node_parent,
+                                                 const int16_t* node_rank, uint32_t* win_info) {
+  int owner = __ffs(tied) - 1;
+  uint32_t won = __shfl_sync(DDTREE_FULL, info, owner);
+  for (uint32_t rest = tied & (tied - 1); rest != 0; rest &= rest - 1) {
+    const int other = __ffs(rest) - 1;
+    const uint32_t other_info = __shfl_sync(DDTREE_FULL, info, other);
+    if (ddtree_slot_lex_less(other_info, won, node_parent, node_rank)) {
+      won = other_info;
+      owner = other;
+    }
+  }
+  *win_info = won;
+  return owner;
+}
+
 // The lane whose best candidate (key, prefix, info) is the warp's best, `top` being the largest
 // key: exact score ties go to the smaller rank tuple, by the packed prefixes (high word, then low
 // word) and then by walking the popped nodes' parents. Every lane calls it (no short-circuit
@@ -1260,18 +1280,7 @@ __device__ __forceinline__ int ddtree_pop_owner(uint32_t top, uint32_t best_key,
     in = in && lo == min_lo;
     tied = __ballot_sync(DDTREE_FULL, in);
   }
-  int owner = __ffs(tied) - 1;
-  uint32_t info = __shfl_sync(DDTREE_FULL, best_info, owner);
-  for (uint32_t rest = tied & (tied - 1); rest != 0; rest &= rest - 1) {
-    const int other = __ffs(rest) - 1;
-    const uint32_t other_info = __shfl_sync(DDTREE_FULL, best_info, other);
-    if (ddtree_slot_lex_less(other_info, info, node_parent, node_rank)) {
-      info = other_info;
-      owner = other;
-    }
-  }
-  *win_info = info;
-  return owner;
+  return ddtree_tied_owner(tied, best_info, node_parent, node_rank, win_info);
 }
 
 // Score key of the first child of a node at `depth` (0: the root) with score `score`: 0 when
@@ -1621,18 +1630,7 @@ __device__ __forceinline__ int ddtree_lex2_owner(bool in, uint32_t info, ddtree_
     in = in && v == least;
     tied = __ballot_sync(DDTREE_FULL, in);
   }
-  int owner = __ffs(tied) - 1;
-  uint32_t won = __shfl_sync(DDTREE_FULL, info, owner);
-  for (uint32_t rest = tied & (tied - 1); rest != 0; rest &= rest - 1) {
-    const int other = __ffs(rest) - 1;
-    const uint32_t other_info = __shfl_sync(DDTREE_FULL, info, other);
-    if (ddtree_slot_lex_less(other_info, won, node_parent, node_rank)) {
-      won = other_info;
-      owner = other;
-    }
-  }
-  *win_info = won;
-  return owner;
+  return ddtree_tied_owner(tied, info, node_parent, node_rank, win_info);
 }
 
 // A compile-time flag for a generic lambda's two instances.
