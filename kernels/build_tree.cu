@@ -403,6 +403,7 @@ __device__ int ddtree_warp_filter(const uint64_t* src, int n, uint64_t t, uint64
 // is the smallest composite a kept entry may have.
 __device__ __noinline__ int ddtree_warp_shrink(uint64_t* cand, int n, int k, int room,
                                                uint32_t* hist, uint64_t* threshold_out) {
+  __syncwarp();  // every lane's candidates are visible (ddtree_expand_hits appends them)
   uint64_t t = ddtree_warp_select(cand, n, k, false, hist);
   int kept = ddtree_warp_filter(cand, n, t, cand);
   if (kept > room) {
@@ -693,7 +694,9 @@ __device__ __forceinline__ void ddtree_step_stats(const float (&x)[UNROLL][DDTRE
 
 // Raises the block threshold to `raised` or to the smallest of the warps' published bounds (see
 // the file comment), whichever is larger. A bound not yet published reads 0; one read stale is
-// smaller than the current one and still a bound. One whole warp calls it.
+// smaller than the current one and still a bound. Other warps raise their bounds meanwhile, by
+// atomicMax (volatile reads here): no barrier orders the two, on purpose. One whole warp calls
+// it.
 __device__ __forceinline__ void ddtree_raise_threshold(const uint32_t* warp_bound,
                                                        unsigned long long* block_threshold,
                                                        uint64_t raised) {
@@ -742,7 +745,7 @@ __device__ __noinline__ void ddtree_publish_lane_bound(float m, int j, uint32_t*
   const uint32_t top = ddtree_warp_jth_largest(ddtree_order_key(m + 0.0f), j);
   if (top > warp_bound[warp]) {
     __syncwarp();
-    if (lane == 0) warp_bound[warp] = top;
+    if (lane == 0) atomicMax(&warp_bound[warp], top);  // other warps read it meanwhile
     __syncwarp();
     ddtree_raise_threshold(warp_bound, block_threshold, 0);
   }
@@ -789,7 +792,7 @@ __device__ int ddtree_shrink_and_raise(uint64_t* cand, int n, int top_k, int j, 
   uint64_t raised;
   const int kept = ddtree_warp_shrink(cand, n, top_k, 2 * top_k, hist, &raised);
   const uint32_t held = (uint32_t)(ddtree_warp_select(cand, kept, j, false, hist) >> 32);
-  if (lane == 0) warp_bound[warp] = max(warp_bound[warp], held);
+  if (lane == 0) atomicMax(&warp_bound[warp], held);  // other warps read it meanwhile
   __syncwarp();
   ddtree_raise_threshold(warp_bound, block_threshold, raised);
   return kept;
@@ -1770,7 +1773,10 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
       ++popped;
       ddtree_store_node(popped, parent, rank, depth, score, node_parent, node_rank, node_depth,
                         node_score);
-      if constexpr (LEX) node_lex[popped] = ddtree_cand_lex2(info, node_lex, bits, per);
+      if constexpr (LEX) {
+        __syncwarp();  // the parent's tuple, stored by every lane, is complete
+        node_lex[popped] = ddtree_cand_lex2(info, node_lex, bits, per);
+      }
       if (popped == budget) break;
       // The popped slot takes the first child, else the next sibling; a fresh slot takes the
       // sibling when there are both.
@@ -1824,6 +1830,7 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
               ddtree_sibling_run(next.key, next.child_key, next.parent_score, k, d, rest,
                                  budget - popped - 1, draft_len, top_k, lp, counts);
           const float x_score = ddtree_key_to_float(run.x);
+          if constexpr (LEX) __syncwarp();  // the parent's tuple is complete
           if (lane < run.m) {
             ddtree_store_node(popped + 1 + lane, p, k + lane, d, x_score, node_parent, node_rank,
                               node_depth, node_score);
@@ -1832,7 +1839,6 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
                   ddtree_lex2_add(node_lex[p], d, k + lane + 1, bits, per);
             }
           }
-          if constexpr (LEX) __syncwarp();  // a later pop of a run node's child reads its tuple
           const ddtree_reg_slot made = ddtree_make_slot(run.c, popped + 1 + lane, 0, d + 1, x_score,
                                                         draft_len, top_k, lp, counts);
           const int from = (lane - size) & 31;
@@ -1863,7 +1869,10 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
         ++popped;
         ddtree_store_node(popped, p, k, d, next_score, node_parent, node_rank, node_depth,
                           node_score);
-        if constexpr (LEX) node_lex[popped] = ddtree_lex2_add(node_lex[p], d, k + 1, bits, per);
+        if constexpr (LEX) {
+          __syncwarp();  // as above
+          node_lex[popped] = ddtree_lex2_add(node_lex[p], d, k + 1, bits, per);
+        }
         if (popped == budget) break;
         const ddtree_reg_slot c = ddtree_make_slot(next.child_key, popped, 0, d + 1, next_score,
                                                    draft_len, top_k, lp, counts);
