@@ -228,21 +228,30 @@ def test_build_tree_non_finite_rows(vocab_size: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("possible", "budget", "dtype"),
-    [(2, 1024, torch.float32), (3, 1024, torch.bfloat16), (2, 64, torch.float16), (4, 7, None)],
+    ("possible", "budget", "dtype", "draft_len", "forced"),
+    [
+        (2, 1024, torch.float32, 12, 0),
+        (3, 1024, torch.bfloat16, 12, 0),
+        (2, 64, torch.float16, 12, 0),
+        (4, 7, None, 12, 0),
+        (2, 64, torch.bfloat16, 32, 20),
+        (3, 96, torch.float32, 32, 19),
+    ],
 )
 def test_build_tree_exact_ties_follow_rank_tuple_order(
-    possible: int, budget: int, dtype: torch.dtype | None
+    possible: int, budget: int, dtype: torch.dtype | None, draft_len: int, forced: int
 ) -> None:
-    """Rows of ``possible`` equal logits (the rest ``-inf``): every node of a depth has the same
-    score, so the whole order comes from the rank-tuple tie-break, down to depths past the
-    select kernel's packed tuple prefix (5 depths at budget 1024), where it walks parents."""
-    batch_size, draft_len, vocab_size = 3, 12, 2048
+    """Rows of ``possible`` equal logits (the rest ``-inf``), after ``forced`` depths of one
+    possible token: every node of a depth has the same score, so the whole order comes from the
+    rank-tuple tie-break, down to depths past the select kernel's packed tuples, where it walks
+    parents: past 5 depths at budget 1024 (shared memory); past 18 at budgets 64 and 96 (the
+    register select's two words), which only a chain of forced depths reaches."""
+    batch_size, vocab_size = 3, 2048
     gen = torch.Generator().manual_seed(possible * budget)
     logits = torch.full((batch_size, draft_len, vocab_size), float("-inf"))
     for b in range(batch_size):
         for d in range(draft_len):
-            picked = torch.randperm(vocab_size, generator=gen)[:possible]
+            picked = torch.randperm(vocab_size, generator=gen)[: 1 if d < forced else possible]
             logits[b, d, picked] = 1.5
     logits = logits.to(dtype or torch.float32).cuda()
     roots = torch.arange(batch_size, device="cuda")
