@@ -1689,7 +1689,7 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
   const int lane = threadIdx.x & 31;
   const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
   const int per = 64 / bits;
-  node_lex[0] = {0ull, 0ull};  // every lane: each reads its own write
+  node_lex[0] = {0ull, 0ull};  // every lane, the same value (reads follow a __syncwarp)
   ddtree_reg_slot slot[REGS];
 #pragma unroll
   for (int r = 0; r < REGS; ++r) slot[r] = {0u, 0u, 0.0f, 0u, 0u};
