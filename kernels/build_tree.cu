@@ -1871,7 +1871,7 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
                           node_score);
         if constexpr (LEX) {
           __syncwarp();  // as above
-          node_lex[popped] = ddtree_lex2_add(node_lex[p], d, k + 1, bits, per);
+          node_lex[popped] = ddtree_cand_lex2(next.info, node_lex, bits, per);
         }
         if (popped == budget) break;
         const ddtree_reg_slot c = ddtree_make_slot(next.child_key, popped, 0, d + 1, next_score,
