@@ -3,11 +3,12 @@
 Each sanitizer tool runs a set of this suite's own GPU tests in a child pytest process, only
 the ddtree kernels instrumented (``--kernel-name kns=ddtree_``), and must report nothing. The
 set is small cases that together take every kernel path: each top-k geometry and its merge,
-the register select with and without exact ties (both copies of its pop loop), the serial
-select in shared memory, the wide select and its fallback, budget 1 and 1024, draft_len 32,
-non-finite rows, the all-or-nothing writes into ``out``, accept in its three modes, commit_kv
-and verify_attention. Those tests check their outputs against the reference as usual; the
-sanitizer adds what a wrong index could do without changing an output:
+the register select with and without exact ties (both copies of its pop loop, and ties past
+the depths its tuples pack), the serial select in shared memory, the wide select and its
+fallback, budget 1 and 1024, draft_len 32, non-finite rows, the all-or-nothing writes into
+``out``, accept in its three modes, commit_kv and verify_attention. Those tests check their
+outputs against the reference as usual; the sanitizer adds what a wrong index could do
+without changing an output:
 
 * memcheck: out-of-bounds and misaligned accesses in global, local and shared memory;
 * racecheck: shared-memory hazards between threads that no barrier orders;
@@ -27,8 +28,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
-
 _REPO = Path(__file__).resolve().parents[2]
 _TREE = "tests/kernels/test_tree_cuda.py"
 _ATTENTION = "tests/kernels/test_attention_cuda.py"
@@ -44,8 +43,9 @@ _CASES = [
     f"{_TREE}::test_build_tree_wide_select_matches_the_serial_select[8-flat]",
     f"{_TREE}::test_build_tree_wide_select_matches_the_serial_select[3000-ties]",
     f"{_TREE}::test_build_tree_non_finite_rows[64]",
-    f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[3-1024-dtype1]",
-    f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[2-64-dtype2]",
+    f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[3-1024-dtype1-12-0]",
+    f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[2-64-dtype2-12-0]",
+    f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[2-64-dtype4-32-20]",
     f"{_TREE}::test_build_tree_out_is_untouched_when_any_request_is_flagged[2-bad-root]",
     f"{_TREE}::test_accept_tokens_matches_reference[9-65-16-mixed]",
     f"{_TREE}::test_accept_logits_matches_reference[f16-1001-0.8]",
@@ -98,6 +98,21 @@ def _pytest_command() -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_CASES]
 
 
+def test_every_case_is_a_test_of_the_suite() -> None:
+    """The node ids name tests that exist (CPU): a renamed test or parameter would otherwise
+    surface only on a GPU, as a child pytest that ran nothing."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *_CASES],
+        cwd=_REPO,
+        capture_output=True,
+    )
+    output = listed.stdout.decode(errors="replace")
+    assert listed.returncode == 0, output[-4000:]
+    collected = {line.strip() for line in output.splitlines()}
+    assert [case for case in _CASES if case not in collected] == []
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tool", list(_TOOLS))
 def test_kernels_are_clean_under_compute_sanitizer(sanitizer: str, tool: str) -> None:
     options, clean = _TOOLS[tool]
