@@ -57,6 +57,8 @@ extern "C" __global__ void __launch_bounds__(ACCEPT_THREADS) ddtree_accept(
   __shared__ int child;
   __shared__ float sv[32], sv2[32];
   __shared__ int si[32], si2[32];
+  ddtree_wait_for_previous_grid();  // launched dependent: the kernel before may still run
+  ddtree_allow_dependents();
   const int tid = threadIdx.x;
   const int64_t b = blockIdx.x;
   const int path_len = draft_len + 1;

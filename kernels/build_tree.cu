@@ -1023,6 +1023,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   __shared__ unsigned long long threshold;
   __shared__ uint32_t warp_bound[TOPK_WARPS];  // see the file comment; 0: none yet
   __shared__ uint32_t hist[TOPK_WARPS][256];
+  ddtree_allow_dependents();  // a dependent select may get its blocks resident early
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunk = blockIdx.x;
   const int64_t row = blockIdx.y;
@@ -1095,6 +1096,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
   __shared__ int found, counter;
   __shared__ ddtree_select_scratch select_scratch;
   __shared__ uint32_t hist[256];
+  ddtree_allow_dependents();  // a dependent select may get its blocks resident early
   const int tid = threadIdx.x, lane = tid & 31, threads = blockDim.x;
   const int64_t row = blockIdx.x;
   const int n_all = num_parts * top_k;
@@ -2251,6 +2253,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   __shared__ ddtree_lex2 node_lex[DDTREE_REG_MAX_NODES];  // the register select's tie tuples
   __shared__ int counts[DDTREE_MAX_DEPTH + 1];  // 0 past draft_len
   __shared__ int skip, total;
+  ddtree_wait_for_previous_grid();  // launched dependent: the top-k or merge may still run
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t b = blockIdx.x;
   const float* lp_global = topk_lp + b * draft_len * (int64_t)top_k;

@@ -41,6 +41,8 @@ extern "C" __global__ void ddtree_commit_kv(
   __shared__ int32_t src_row[33];  // page * page_size + slot of each accepted source
   __shared__ int32_t dst_row[33];
   __shared__ int32_t verdict;
+  ddtree_wait_for_previous_grid();  // launched dependent: the kernel before may still run
+  ddtree_allow_dependents();
   const int b = blockIdx.x;
   const int tid = threadIdx.x;
   if (phase == 2) {

@@ -47,6 +47,25 @@ typedef __half ddtree_logit_t;
 #define DDTREE_ERR_LENGTH 8
 #define DDTREE_ERR_ACCEPTANCE 16
 
+// Programmatic dependent launch (sm_90 and later). A kernel launched with
+// jit.LaunchParams(dependent=True) may start while the previous kernel of its stream still runs:
+// every one of its threads calls ddtree_wait_for_previous_grid() before it touches global memory
+// that kernel could read or write (so the grid cannot end before its predecessor, and a
+// dependent launched behind it waits for both). ddtree_allow_dependents() lets the next such
+// kernel get its blocks resident while this one runs. Without the launch attribute both return
+// at once.
+__device__ __forceinline__ void ddtree_wait_for_previous_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void ddtree_allow_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float ddtree_to_float(float x) { return x; }
 __device__ __forceinline__ float ddtree_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float ddtree_to_float(__half x) { return __half2float(x); }

@@ -26,6 +26,9 @@ Environment variables (read at call time, so a process may set them before its f
     Directory of the disk cache.
 ``DDTREE_DISABLE_JIT``
     ``1`` turns a cache miss into an error.
+``DDTREE_DEPENDENT_LAUNCH``
+    ``0`` launches every kernel plainly, none by programmatic dependent launch
+    (:attr:`LaunchParams.dependent`).
 """
 
 from __future__ import annotations
@@ -125,6 +128,11 @@ class LaunchParams:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem_bytes: int = 0
+    dependent: bool = False
+    """Programmatic dependent launch: the kernel may get its blocks resident while the previous
+    kernel of the stream still runs, and every thread waits for that kernel in the kernel
+    (``ddtree_wait_for_previous_grid`` in common.cuh) before touching global memory. Off
+    everywhere with ``DDTREE_DEPENDENT_LAUNCH=0``."""
 
     def __post_init__(self) -> None:
         if any(g < 1 for g in self.grid) or any(b < 1 for b in self.block):
@@ -661,11 +669,19 @@ def set_max_dynamic_smem(kernel: Any, shared_mem_bytes: int, device: torch.devic
         )
 
 
+def _dependent_launch_allowed() -> bool:
+    return os.environ.get("DDTREE_DEPENDENT_LAUNCH", "").strip() != "0"
+
+
 @functools.lru_cache(maxsize=256)
-def _launch_config(params: LaunchParams) -> Any:
+def _launch_config(params: LaunchParams, dependent: bool) -> Any:
     from cuda.core import LaunchConfig
 
-    return LaunchConfig(grid=params.grid, block=params.block, shmem_size=params.shared_mem_bytes)
+    shape = {"grid": params.grid, "block": params.block, "shmem_size": params.shared_mem_bytes}
+    if dependent:
+        with contextlib.suppress(TypeError):  # a cuda.core without the option: a plain launch
+            return LaunchConfig(**shape, programmatic_stream_serialization=True)
+    return LaunchConfig(**shape)
 
 
 @functools.lru_cache(maxsize=64)
@@ -703,7 +719,7 @@ def launch(
     index = _device_index(device)
     _make_current(index)
     stream = _core_stream(torch.cuda.current_stream(index).cuda_stream)
-    config = _launch_config(params)
+    config = _launch_config(params, params.dependent and _dependent_launch_allowed())
     try:
         core_launch(stream, config, kernel, *args)
     except Exception as err:

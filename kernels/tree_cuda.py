@@ -281,7 +281,9 @@ def build_tree_plan(
         wide_sort_size=wide_sort_size,
         topk=jit.LaunchParams((num_chunks, rows, 1), (warps * 32, 1, 1), topk_smem),
         merge=jit.LaunchParams((rows, 1, 1), (merge_threads, 1, 1), merge_smem),
-        select=jit.LaunchParams((batch_size, 1, 1), (_SELECT_THREADS, 1, 1), select_smem),
+        select=jit.LaunchParams(
+            (batch_size, 1, 1), (_SELECT_THREADS, 1, 1), select_smem, dependent=True
+        ),
     )
 
 
@@ -334,7 +336,7 @@ def wide_select_bytes(cap: int, sort_size: int) -> int:
 def accept_launch_params(batch_size: int, *, reads_logits: bool) -> jit.LaunchParams:
     """Launch geometry of ``accept``: one block per request (pure; no GPU needed)."""
     threads = _ACCEPT_LOGIT_THREADS if reads_logits else _ACCEPT_THREADS
-    return jit.LaunchParams((batch_size, 1, 1), (threads, 1, 1), 0)
+    return jit.LaunchParams((batch_size, 1, 1), (threads, 1, 1), 0, dependent=True)
 
 
 def commit_kv_launch_params(batch_size: int, row_bytes: int) -> jit.LaunchParams:
@@ -352,7 +354,9 @@ def commit_kv_launch_params(batch_size: int, row_bytes: int) -> jit.LaunchParams
     column_blocks = -(-(row_bytes // 16) // _COMMIT_COLS)
     if batch_size > 2**31 - 1 or column_blocks > 65535:
         raise ValueError(f"kv_cache: rows of {row_bytes} bytes are too wide")
-    return jit.LaunchParams((batch_size, column_blocks, 1), (_COMMIT_THREADS, 1, 1), 0)
+    return jit.LaunchParams(
+        (batch_size, column_blocks, 1), (_COMMIT_THREADS, 1, 1), 0, dependent=True
+    )
 
 
 @functools.cache
@@ -717,7 +721,9 @@ def commit_kv(
     length = acceptance.length.contiguous()
     launches = [(params, 0)]
     if all_or_nothing and error_flags is not None:
-        validate = jit.LaunchParams((batch_size, 1, 1), params.block, params.shared_mem_bytes)
+        validate = jit.LaunchParams(
+            (batch_size, 1, 1), params.block, params.shared_mem_bytes, dependent=True
+        )
         launches = [(validate, 1), (params, 2)]
     kernel = _commit_kernel(index)
     with torch.cuda.device(index):

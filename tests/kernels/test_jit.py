@@ -302,3 +302,41 @@ def test_accept_and_commit_launch_params() -> None:
     assert tree_cuda.commit_kv_launch_params(5, 16).grid == (5, 1, 1)
     with pytest.raises(ValueError, match="multiple of 16"):
         tree_cuda.commit_kv_launch_params(5, 72 * 2 + 2)
+
+
+def _first_statement(source: str, kernel: str) -> str:
+    """The first statement of a kernel's body that is not a shared-memory declaration."""
+    start = source.index(f" {kernel}(")
+    body = source[source.index(") {\n", start) + 4 :]
+    for line in body.splitlines():
+        code = line.split("//")[0].strip()
+        if code and not code.startswith(("__shared__", "extern __shared__")):
+            return code
+    raise AssertionError(f"{kernel} has an empty body")
+
+
+def test_dependent_launches_wait_for_the_kernel_before_them() -> None:
+    """Launches that may start while the previous kernel runs are those of kernels that wait
+    for it before anything else; the first kernel of build_tree and its merge launch plainly."""
+    plan = tree_cuda.build_tree_plan(8, 16, 163840, 64)
+    assert not plan.topk.dependent and not plan.merge.dependent
+    assert plan.select.dependent
+    assert tree_cuda.accept_launch_params(4, reads_logits=True).dependent
+    assert tree_cuda.commit_kv_launch_params(4, 1152).dependent
+    sources = {name: jit.load_source(name) for name in jit.kernel_sources()}
+    for file, kernel in [
+        ("build_tree.cu", "ddtree_build_select"),
+        ("accept.cu", "ddtree_accept"),
+        ("commit_kv.cu", "ddtree_commit_kv"),
+    ]:
+        assert _first_statement(sources[file], kernel) == "ddtree_wait_for_previous_grid();"
+
+
+@needs_nvrtc
+def test_dependent_launch_config_and_its_switch(monkeypatch) -> None:
+    params = jit.LaunchParams((2, 1, 1), (64, 1, 1), 0, dependent=True)
+    assert jit._launch_config(params, True).programmatic_stream_serialization
+    assert not jit._launch_config(params, False).programmatic_stream_serialization
+    assert jit._dependent_launch_allowed()
+    monkeypatch.setenv("DDTREE_DEPENDENT_LAUNCH", "0")
+    assert not jit._dependent_launch_allowed()
