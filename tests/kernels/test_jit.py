@@ -337,6 +337,7 @@ def test_dependent_launch_config_and_its_switch(monkeypatch) -> None:
     params = jit.LaunchParams((2, 1, 1), (64, 1, 1), 0, dependent=True)
     assert jit._launch_config(params, True).programmatic_stream_serialization
     assert not jit._launch_config(params, False).programmatic_stream_serialization
+    monkeypatch.delenv("DDTREE_DEPENDENT_LAUNCH", raising=False)
     assert jit._dependent_launch_allowed()
     monkeypatch.setenv("DDTREE_DEPENDENT_LAUNCH", "0")
     assert not jit._dependent_launch_allowed()
