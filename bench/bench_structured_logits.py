@@ -1,0 +1,113 @@
+"""build_tree on logits whose token ids correlate with value, against random rows (GPU).
+
+``bench_tree.py`` draws ``randn * 3`` logits, whose token ids are in random order. Real
+vocabularies are not: frequent tokens sit at low ids, so a drafter's large logits cluster there.
+The top-k pass streams each row in contiguous slices, one per warp, and its running threshold
+comes from every warp's share of the row, so where the large entries sit changes how many
+vectors it records. This benchmark builds batch 32, draft_len 16, vocab 163,840, budget 64 (bf16)
+on:
+
+* ``randn3``: ``randn * 3`` (the main benchmark's rows), first and last;
+* ``zipfC``: ``randn * 3 - C * ln(1 + id)`` for C = 0.25, 0.5, 1 (a frequency prior);
+* ``head_block``: the first 1/16 of the ids shifted up by 2;
+* ``sorted_asc`` / ``sorted_desc``: each row's ``randn * 3`` values sorted by id (extremes).
+
+For each: the op in a CUDA graph (two buffers rotating, two passes) and each kernel's device
+time by the profiler (the select is a dependent launch, so its figure includes its wait for the
+top-k). Writes ``bench/results/<date>-<gpu>-structured-logits.json`` (or ``--out``).
+
+Usage: ``python bench/bench_structured_logits.py [--out PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+from bench_tree import cuda_graph_ms
+from torch.profiler import ProfilerActivity, profile
+
+from ddtree.kernels import tree_cuda
+
+BATCH, DRAFT_LEN, VOCAB, BUDGET = 32, 16, 163840, 64
+KINDS = [
+    "randn3",
+    "zipf0.25",
+    "zipf0.5",
+    "zipf1.0",
+    "head_block",
+    "sorted_asc",
+    "sorted_desc",
+    "randn3",
+]
+
+
+def kind_logits(kind: str, gen: torch.Generator) -> torch.Tensor:
+    """[BATCH, DRAFT_LEN, VOCAB] bf16 logits of one kind (see the module docstring)."""
+    x = torch.randn(BATCH, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * 3
+    if kind.startswith("zipf"):
+        ids = torch.arange(VOCAB, device="cuda", dtype=torch.float32)
+        x -= float(kind[4:]) * torch.log1p(ids)
+    elif kind == "sorted_desc":
+        x = x.sort(-1, descending=True).values
+    elif kind == "sorted_asc":
+        x = x.sort(-1).values
+    elif kind == "head_block":
+        x[..., : VOCAB // 16] += 2
+    return x.to(torch.bfloat16)
+
+
+def bench_kind(kind: str) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    bufs = [kind_logits(kind, gen) for _ in range(2)]
+    roots = torch.zeros(BATCH, dtype=torch.int64, device="cuda")
+    flags = torch.zeros(BATCH, dtype=torch.int32, device="cuda")
+
+    def call(i: int) -> object:
+        return tree_cuda.build_tree(bufs[i % 2], roots, BUDGET, error_flags=flags)
+
+    tree = tree_cuda.build_tree(bufs[0], roots, BUDGET, error_flags=flags)
+    row: dict = {
+        "kind": kind,
+        "graph_ms": [round(cuda_graph_ms(call, 2), 4) for _ in range(2)],
+        "mean_depth_max": float(tree.depths.max(1).values.float().mean()),
+    }
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(4):
+            call(i)
+        torch.cuda.synchronize()
+    row["kernels_us"] = {
+        a.key.replace("ddtree_build_", ""): round(a.self_device_time_total / max(a.count, 1), 1)
+        for a in prof.key_averages()
+        if a.key.startswith("ddtree_build_")
+    }
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rows = []
+    for kind in KINDS:
+        rows.append(bench_kind(kind))
+        print(json.dumps(rows[-1]), flush=True)
+    gpu, date = torch.cuda.get_device_name(), str(datetime.date.today())
+    slug = gpu.lower().replace("nvidia ", "").replace(" ", "-")
+    out = args.out or Path(__file__).parent / "results" / f"{date}-{slug}-structured-logits.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "date": date,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
