@@ -12,9 +12,10 @@ on:
 * ``head_block``: the first 1/16 of the ids shifted up by 2;
 * ``sorted_asc`` / ``sorted_desc``: each row's ``randn * 3`` values sorted by id (extremes).
 
-For each: the op in a CUDA graph (two buffers rotating, two passes) and each kernel's device
-time by the profiler (the select is a dependent launch, so its figure includes its wait for the
-top-k). Writes ``bench/results/<date>-<gpu>-structured-logits.json`` (or ``--out``).
+For each, two passes of ``sweep_build_tree.measure_build``: the op in a CUDA graph (two buffers
+rotating) and each kernel's device time by the profiler (the select is a dependent launch, so
+its figure includes its wait for the top-k). Writes
+``bench/results/<date>-<gpu>-structured-logits.json`` (or ``--out``).
 
 Usage: ``python bench/bench_structured_logits.py [--out PATH]``.
 """
@@ -27,8 +28,7 @@ import json
 from pathlib import Path
 
 import torch
-from bench_tree import cuda_graph_ms
-from torch.profiler import ProfilerActivity, profile
+from sweep_build_tree import measure_build
 
 from ddtree.kernels import tree_cuda
 
@@ -64,27 +64,14 @@ def bench_kind(kind: str) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(5)
     bufs = [kind_logits(kind, gen) for _ in range(2)]
     roots = torch.zeros(BATCH, dtype=torch.int64, device="cuda")
-    flags = torch.zeros(BATCH, dtype=torch.int32, device="cuda")
-
-    def call(i: int) -> object:
-        return tree_cuda.build_tree(bufs[i % 2], roots, BUDGET, error_flags=flags)
-
-    tree = tree_cuda.build_tree(bufs[0], roots, BUDGET, error_flags=flags)
-    row: dict = {
+    tree = tree_cuda.build_tree(bufs[0], roots, BUDGET)
+    passes = [measure_build(BATCH, BUDGET, bufs) for _ in range(2)]
+    return {
         "kind": kind,
-        "graph_ms": [round(cuda_graph_ms(call, 2), 4) for _ in range(2)],
+        "graph_ms": [p["graph_ms"] for p in passes],
+        "kernels_us": passes[-1]["kernels_us"],
         "mean_depth_max": float(tree.depths.max(1).values.float().mean()),
     }
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(4):
-            call(i)
-        torch.cuda.synchronize()
-    row["kernels_us"] = {
-        a.key.replace("ddtree_build_", ""): round(a.self_device_time_total / max(a.count, 1), 1)
-        for a in prof.key_averages()
-        if a.key.startswith("ddtree_build_")
-    }
-    return row
 
 
 def main() -> None:

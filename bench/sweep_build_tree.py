@@ -38,7 +38,10 @@ from ddtree.kernels import tree_cuda
 SHAPES = [(1, 64), (8, 64), (32, 16), (32, 64), (32, 256), (32, 1024), (128, 64)]
 
 
-def _measure(batch_size: int, budget: int, buffers: list[torch.Tensor]) -> dict:
+def measure_build(batch_size: int, budget: int, buffers: list[torch.Tensor]) -> dict:
+    """build_tree over the rotating logits ``buffers``: the op's device time in a replayed CUDA
+    graph (``graph_ms``) and each kernel's mean device time per launch from the profiler
+    (``kernels_us``, by kernel name; a message where the profiler fails)."""
     roots = torch.zeros(batch_size, dtype=torch.int64, device="cuda")
     flags = torch.zeros(batch_size, dtype=torch.int32, device="cuda")
 
@@ -87,7 +90,7 @@ def main() -> None:
             for unroll, min_blocks in variants:
                 tree_cuda._TOPK_UNROLL = unroll
                 tree_cuda._TOPK_MIN_BLOCKS = min_blocks
-                row[f"u{unroll}_b{min_blocks}"] = _measure(batch_size, budget, buffers)
+                row[f"u{unroll}_b{min_blocks}"] = measure_build(batch_size, budget, buffers)
             results.append(row)
             print(json.dumps(row), flush=True)
         del buffers

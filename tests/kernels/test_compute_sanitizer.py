@@ -101,11 +101,7 @@ def _pytest_command() -> list[str]:
 def test_every_case_is_a_test_of_the_suite() -> None:
     """The node ids name tests that exist (CPU): a renamed test or parameter would otherwise
     surface only on a GPU, as a child pytest that ran nothing."""
-    listed = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *_CASES],
-        cwd=_REPO,
-        capture_output=True,
-    )
+    listed = subprocess.run([*_pytest_command(), "--collect-only"], cwd=_REPO, capture_output=True)
     output = listed.stdout.decode(errors="replace")
     assert listed.returncode == 0, output[-4000:]
     collected = {line.strip() for line in output.splitlines()}
