@@ -5,7 +5,9 @@
 //
 // 1. ddtree_build_topk  grid (num_chunks, rows), block TOPK_WARPS warps, dynamic shared memory
 //    TOPK_WARPS * (cap * 8 + DDTREE_HITS * 20) bytes. A block covers one span of one row; each
-//    warp streams its own slice of the span exactly once, UNROLL 16-byte vectors per lane and
+//    warp streams its own steps of the span exactly once (warp w the span's steps w, w +
+//    TOPK_WARPS, ...: every warp's bounds sample the whole span, also where large logits
+//    cluster at some token ids, as real vocabularies' do), UNROLL 16-byte vectors per lane and
 //    step, with the next step's loads in flight (and the step TOPK_PREFETCH ahead asked of L2)
 //    while a step is processed, and no block barrier after the first step (see below) until the
 //    end. Per lane it keeps an online max and sum of exp(x - max) over finite x and a count of
@@ -491,6 +493,8 @@ __device__ void ddtree_order_row(const uint64_t* cand, int n, int top_k, int sor
 
 constexpr int DDTREE_VEC = 16 / sizeof(ddtree_logit_t);
 constexpr int DDTREE_STEP = 32 * UNROLL * DDTREE_VEC;  // entries one warp reads per step
+// Entries from the start of one of a warp's steps to the start of its next (see the file comment).
+constexpr int DDTREE_STRIDE = TOPK_WARPS * DDTREE_STEP;
 
 // Loads one warp step: vector u of lane l covers entries start + (u * 32 + l) * VEC .. + VEC - 1.
 __device__ __forceinline__ void ddtree_load_step(uint4 (&v)[UNROLL], const ddtree_logit_t* src,
@@ -851,7 +855,7 @@ struct ddtree_step_vectors {
   uint4 v[UNROLL];
 };
 
-// ddtree_load_step out of line, for the rare step that is not interior (the last of a slice, or
+// ddtree_load_step out of line, for the rare step that is not interior (the last of a span, or
 // rows not 16-byte aligned): see ddtree_step_stats_careful.
 __device__ __noinline__ ddtree_step_vectors ddtree_load_tail(const ddtree_logit_t* src, int start,
                                                              int end, bool vectorized) {
@@ -860,8 +864,9 @@ __device__ __noinline__ ddtree_step_vectors ddtree_load_tail(const ddtree_logit_
   return tail;
 }
 
-// Streams one warp's slice [begin, end) of a row; see the file comment (launch 1). UNIT:
-// temperature == 1. Returns the warp's number of candidates in cand (at most cap).
+// Streams one warp's steps of a row, from begin every DDTREE_STRIDE entries up to end (the end of
+// the span); see the file comment (launch 1). UNIT: temperature == 1. Returns the warp's number
+// of candidates in cand (at most cap).
 template <bool UNIT>
 __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float temperature,
                                 int begin, int end, int top_k, int cap, bool vectorized,
@@ -907,23 +912,25 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
   int count = 0, nh = 0, step = 0;
   // This lane's first vector of the next step (read only where the step is whole and the row
   // 16-byte aligned), advanced one step per iteration.
-  const uint4* next_vectors = reinterpret_cast<const uint4*>(src + begin + DDTREE_STEP) + lane;
-  for (int start = begin; start < end; start += DDTREE_STEP, next_vectors += 32 * UNROLL) {
-    if (vectorized && start + 2 * DDTREE_STEP <= end) {
+  const uint4* next_vectors = reinterpret_cast<const uint4*>(src + begin + DDTREE_STRIDE) + lane;
+  constexpr int STRIDE_VECTORS = DDTREE_STRIDE / DDTREE_VEC;
+  for (int start = begin; start < end; start += DDTREE_STRIDE, next_vectors += STRIDE_VECTORS) {
+    if (vectorized && start + DDTREE_STRIDE + DDTREE_STEP <= end) {
       // An interior step (the common case): every vector whole, no bounds to check.
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) nxt[u] = __ldg(next_vectors + u * 32);
-      if (start + (TOPK_PREFETCH + 1) * DDTREE_STEP <= end) {
+      if (start + TOPK_PREFETCH * DDTREE_STRIDE + DDTREE_STEP <= end) {
         // Ask L2 for the step TOPK_PREFETCH steps ahead, so that its loads wait on L2 only.
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           asm volatile("prefetch.global.L2 [%0];" ::"l"(next_vectors +
-                                                        (TOPK_PREFETCH - 1) * 32 * UNROLL +
+                                                        (TOPK_PREFETCH - 1) * STRIDE_VECTORS +
                                                         u * 32));
         }
       }
-    } else if (start + DDTREE_STEP < end) {
-      const ddtree_step_vectors tail = ddtree_load_tail(src, start + DDTREE_STEP, end, vectorized);
+    } else if (start + DDTREE_STRIDE < end) {
+      const ddtree_step_vectors tail =
+          ddtree_load_tail(src, start + DDTREE_STRIDE, end, vectorized);
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) nxt[u] = tail.v[u];
     }
@@ -1027,9 +1034,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunk = blockIdx.x;
   const int64_t row = blockIdx.y;
-  const int slice = span / TOPK_WARPS;
-  const int begin = chunk * span + warp * slice;
-  const int end = min(vocab, begin + slice);
+  // The warp's first entry, and the end of the span whose steps it shares with the other warps.
+  const int begin = chunk * span + warp * DDTREE_STEP;
+  const int end = min(vocab, chunk * span + span);
   const ddtree_logit_t* src = logits + row * (int64_t)vocab;
   uint64_t* cand = smem + warp * (int64_t)cap;
   uint4* hit_vecs = reinterpret_cast<uint4*>(smem + TOPK_WARPS * (int64_t)cap);
@@ -1037,10 +1044,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   int32_t* hit_token =
       reinterpret_cast<int32_t*>(hit_vecs + TOPK_WARPS * DDTREE_HITS) + warp * DDTREE_HITS;
   if (threadIdx.x == 0) threshold = DDTREE_FINITE_FLOOR;
-  // Block-uniform: every warp has a whole first step, and j = ceil(K / warps) vectors of it.
+  // Block-uniform: every warp has a whole first step (a span holds at least TOPK_WARPS steps),
+  // and j = ceil(K / warps) vectors of it.
   const bool first_threshold = (top_k + TOPK_WARPS - 1) / TOPK_WARPS <= 32 * UNROLL &&
-                               slice >= DDTREE_STEP &&
-                               chunk * span + (TOPK_WARPS - 1) * slice + DDTREE_STEP <= vocab;
+                               chunk * span + TOPK_WARPS * DDTREE_STEP <= vocab;
   if (lane == 0) warp_bound[warp] = 0;
   __syncthreads();
   float m = -DDTREE_INF, s = 0.0f, infs = 0.0f;

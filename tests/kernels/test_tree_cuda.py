@@ -137,6 +137,30 @@ def test_build_tree_matches_reference(
         assert_tree_valid(_tree_to(actual, "cpu"), vocab_size)
 
 
+@pytest.mark.parametrize("order", ["ascending", "descending", "frequency-prior"])
+@pytest.mark.parametrize("batch_size", [2, 32])
+def test_build_tree_rows_whose_token_ids_order_their_values(order: str, batch_size: int) -> None:
+    """Rows whose large logits sit at some token ids, as real vocabularies' do: the top-k's
+    bounds then come from a few of its steps, and a sorted row makes most vectors hits, with
+    buffer shrinks all along. The tree is still the reference's."""
+    vocab_size = 163840
+    logits = draft_logits(batch_size, 4, vocab_size, seed=21 + batch_size, device="cuda")
+    if order == "ascending":
+        logits = logits.sort(-1).values
+    elif order == "descending":
+        logits = logits.sort(-1, descending=True).values
+    else:
+        ids = torch.arange(vocab_size, device="cuda", dtype=torch.float32)
+        logits = logits - 0.5 * torch.log1p(ids)
+    logits = logits.to(torch.bfloat16)
+    roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
+    expected = reference.build_tree(logits, roots, 64)
+    _poison_allocator()
+    actual = tree_cuda.build_tree(logits, roots, 64)
+    _assert_same_tree(actual, expected, exact_order=True)
+    assert_tree_valid(_tree_to(actual, "cpu"), vocab_size)
+
+
 def _styled_bf16_logits(
     batch_size: int, draft_len: int, vocab_size: int, style: str, seed: int
 ) -> torch.Tensor:
