@@ -2,9 +2,9 @@
 
 ``bench_tree.py`` draws ``randn * 3`` logits, whose token ids are in random order. Real
 vocabularies are not: frequent tokens sit at low ids, so a drafter's large logits cluster there.
-The top-k pass streams each row in contiguous slices, one per warp, and its running threshold
-comes from every warp's share of the row, so where the large entries sit changes how many
-vectors it records. This benchmark builds batch 32, draft_len 16, vocab 163,840, budget 64 (bf16)
+The top-k pass's warps take turns over each row's steps, and its running threshold comes from
+what every warp has seen so far, so where the large entries sit changes how many vectors it
+records. This benchmark builds batch 32, draft_len 16, vocab 163,840, budget 64 (bf16)
 on:
 
 * ``randn3``: ``randn * 3`` (the main benchmark's rows), first and last;

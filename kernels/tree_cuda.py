@@ -105,8 +105,8 @@ class BuildTreePlan:
     tile: int
     """Vocabulary entries a top-k block reads per step: ``warps * 32 * unroll`` vectors."""
     span: int
-    """Vocabulary entries one top-k block covers (a multiple of ``tile``), ``span / warps`` per
-    warp."""
+    """Vocabulary entries one top-k block covers (a multiple of ``tile``); its warps take turns
+    over the span's steps of ``tile / warps`` entries."""
     num_chunks: int
     """Top-k blocks per row."""
     num_parts: int

@@ -141,8 +141,8 @@ def test_build_tree_matches_reference(
 @pytest.mark.parametrize("batch_size", [2, 32])
 def test_build_tree_rows_whose_token_ids_order_their_values(order: str, batch_size: int) -> None:
     """Rows whose large logits sit at some token ids, as real vocabularies' do: the top-k's
-    bounds then come from a few of its steps, and a sorted row makes most vectors hits, with
-    buffer shrinks all along. The tree is still the reference's."""
+    warps meet them at different times, and a row sorted ascending makes most vectors hits,
+    with buffer shrinks all along. The tree is still the reference's."""
     vocab_size = 163840
     logits = draft_logits(batch_size, 4, vocab_size, seed=21 + batch_size, device="cuda")
     if order == "ascending":
