@@ -1034,9 +1034,11 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunk = blockIdx.x;
   const int64_t row = blockIdx.y;
-  // The warp's first entry, and the end of the span whose steps it shares with the other warps.
-  const int begin = chunk * span + warp * DDTREE_STEP;
-  const int end = min(vocab, chunk * span + span);
+  // The span's first entry, the warp's first entry, and the end of the span whose steps the
+  // warps share.
+  const int span_begin = chunk * span;
+  const int begin = span_begin + warp * DDTREE_STEP;
+  const int end = min(vocab, span_begin + span);
   const ddtree_logit_t* src = logits + row * (int64_t)vocab;
   uint64_t* cand = smem + warp * (int64_t)cap;
   uint4* hit_vecs = reinterpret_cast<uint4*>(smem + TOPK_WARPS * (int64_t)cap);
@@ -1047,7 +1049,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   // Block-uniform: every warp has a whole first step (a span holds at least TOPK_WARPS steps),
   // and j = ceil(K / warps) vectors of it.
   const bool first_threshold = (top_k + TOPK_WARPS - 1) / TOPK_WARPS <= 32 * UNROLL &&
-                               chunk * span + TOPK_WARPS * DDTREE_STEP <= vocab;
+                               span_begin + TOPK_WARPS * DDTREE_STEP <= vocab;
   if (lane == 0) warp_bound[warp] = 0;
   __syncthreads();
   float m = -DDTREE_INF, s = 0.0f, infs = 0.0f;
