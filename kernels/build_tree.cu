@@ -1276,6 +1276,14 @@ __device__ __forceinline__ int ddtree_tied_owner(uint32_t tied, uint32_t info,
   return owner;
 }
 
+// Narrows the lanes with `in` set to those whose `word` is the least among them (every lane
+// calls it: the reduction comes before the &&).
+__device__ __forceinline__ bool ddtree_keep_least(bool in, uint32_t word) {
+  const uint32_t v = in ? word : ~0u;
+  const uint32_t least = __reduce_min_sync(DDTREE_FULL, v);
+  return in && v == least;
+}
+
 // The lane whose best candidate (key, prefix, info) is the warp's best, `top` being the largest
 // key: exact score ties go to the smaller rank tuple, by the packed prefixes (high word, then low
 // word) and then by walking the popped nodes' parents. Every lane calls it (no short-circuit
@@ -1286,12 +1294,8 @@ __device__ __forceinline__ int ddtree_pop_owner(uint32_t top, uint32_t best_key,
   bool in = best_key == top;
   uint32_t tied = __ballot_sync(DDTREE_FULL, in);
   if ((tied & (tied - 1)) != 0) {
-    const uint32_t hi = in ? (uint32_t)(best_lex >> 32) : ~0u;
-    const uint32_t min_hi = __reduce_min_sync(DDTREE_FULL, hi);
-    in = in && hi == min_hi;
-    const uint32_t lo = in ? (uint32_t)best_lex : ~0u;
-    const uint32_t min_lo = __reduce_min_sync(DDTREE_FULL, lo);
-    in = in && lo == min_lo;
+    in = ddtree_keep_least(in, (uint32_t)(best_lex >> 32));
+    in = ddtree_keep_least(in, (uint32_t)best_lex);
     tied = __ballot_sync(DDTREE_FULL, in);
   }
   return ddtree_tied_owner(tied, best_info, node_parent, node_rank, win_info);
@@ -1639,9 +1643,7 @@ __device__ __forceinline__ int ddtree_lex2_owner(bool in, uint32_t info, ddtree_
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     if ((tied & (tied - 1)) == 0) break;
-    const uint32_t v = in ? words[w] : ~0u;
-    const uint32_t least = __reduce_min_sync(DDTREE_FULL, v);  // every lane, before the &&
-    in = in && v == least;
+    in = ddtree_keep_least(in, words[w]);
     tied = __ballot_sync(DDTREE_FULL, in);
   }
   return ddtree_tied_owner(tied, info, node_parent, node_rank, win_info);
