@@ -65,7 +65,7 @@ _SELECT_THREADS = 512
 B 32 budget 256, the wide select launch alone: 31 us at 512 threads, 40 at 1024; session 14)."""
 _WIDE_MIN_BUDGET = 97
 """Budgets from this many nodes take the wide select; smaller ones pop serially from registers
-(build_tree.cu). On the H200 the wide select won at budget 96 but lost at 16 and, on peaked
+(build_tree_select.cuh). On the H200 the wide select won at budget 96 but lost at 16 and, on peaked
 logits, at 64 (B 32, select alone: 98 against 51 us; docs/kernels.md, session 14)."""
 _WIDE_MAX_CAP = 4096
 """Most nodes of the wide select's store (``4 * max_budget`` at most; its packed node indices
@@ -328,8 +328,8 @@ def _power_of_two_at_least(n: int) -> int:
 
 def wide_select_bytes(cap: int, sort_size: int) -> int:
     """Shared memory of the wide select's store for ``cap`` nodes and a sort of ``sort_size``
-    (build_tree.cu: 8-byte composites, the 2 * sort_size sort buffer, fp32 scores, two int32
-    work arrays, int16 parents and ranks, int8 depths)."""
+    (build_tree_select_wide.cuh: 8-byte composites, the 2 * sort_size sort buffer, fp32
+    scores, two int32 work arrays, int16 parents and ranks, int8 depths)."""
     return _WIDE_NODE_BYTES * cap + 16 * sort_size + 4
 
 
