@@ -3,8 +3,9 @@
 Each sanitizer tool runs a set of this suite's own GPU tests in a child pytest process, only
 the ddtree kernels instrumented (``--kernel-name kns=ddtree_``), and must report nothing. The
 set is small cases that together take every kernel path: each top-k geometry and its merge,
-the register select with and without exact ties (both copies of its pop loop, and ties past
-the depths its tuples pack), the serial select in shared memory, the wide select and its
+rows sorted ascending (nearly every vector a hit, the candidate buffers shrunk all along the
+row), the register select with and without exact ties (both copies of its pop loop, and ties
+past the depths its tuples pack), the serial select in shared memory, the wide select and its
 fallback, budget 1 and 1024, draft_len 32, non-finite rows, the all-or-nothing writes into
 ``out``, accept in its three modes, commit_kv and verify_attention. Those tests check their
 outputs against the reference as usual; the sanitizer adds what a wrong index could do
@@ -39,6 +40,7 @@ _CASES = [
     f"{_TREE}::test_build_tree_matches_reference[B3-L5-V100-b1024-f32-random]",
     f"{_TREE}::test_build_tree_matches_reference[B4-L6-V2000-b65-bf16-peaked]",
     f"{_TREE}::test_build_tree_matches_reference[B3-L7-V1001-b7-f16-ties]",
+    f"{_TREE}::test_build_tree_rows_whose_token_ids_order_their_values[2-ascending]",
     f"{_TREE}::test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch[peaked]",
     f"{_TREE}::test_build_tree_wide_select_matches_the_serial_select[8-flat]",
     f"{_TREE}::test_build_tree_wide_select_matches_the_serial_select[3000-ties]",
