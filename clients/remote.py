@@ -11,7 +11,9 @@ registers again and retries once, transparently. Every call takes a
 ``timeout_s`` (default ``default_timeout_s``), which is the deadline for all attempts together.
 Only UNAVAILABLE and RESOURCE_EXHAUSTED are retried, only for idempotent RPCs, with jittered
 exponential back-off (at least the server's ``RetryInfo`` delay) and a retry budget shared by
-the client's calls, so a down server is not hammered.
+the client's calls, so a down server is not hammered. The two clients share one copy of what a
+call does (``_send_steps``: a generator of the RPCs it needs); each only drives it, blocking or
+awaiting.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -503,6 +505,82 @@ def _memory_regions(response: pb.ListMemoryResponse) -> list[MemoryRegion]:
     return [MemoryRegion(r.region_id, r.device_uuid, r.byte_size) for r in response.regions]
 
 
+@dataclass(frozen=True)
+class _Rpc:
+    """One RPC that a client's steps ask their driver to send: ``method(request)``, with the
+    client's deadline (``timeout_s``, ``None``: its default) and retry policy."""
+
+    method: Callable[..., Any]
+    request: Any
+    timeout_s: float | None
+    idempotent: bool
+
+
+_Steps = Generator[_Rpc, Any, _T]
+"""A client operation written once for both clients: it yields the RPCs it needs and gets
+back each reply, or has the call's ``DDTreeClientError`` raised where it yielded
+(``Client._run`` and ``AsyncClient._run`` drive it)."""
+
+
+def _unregister_steps(stub: Any, token: str) -> _Steps[None]:
+    """Unregister ``token``, ignoring errors: a region the server no longer knows, or a server
+    that is gone, is fine (cleanup)."""
+    try:
+        yield _Rpc(
+            stub.UnregisterMemory, pb.UnregisterMemoryRequest(region_token=token), None, False
+        )
+    except DDTreeClientError:
+        return
+
+
+def _send_steps(
+    ipc: ClientIpc | None,
+    stub: Any,
+    method: Callable[..., Any],
+    op: _Op[_T],
+    timeout_s: float | None,
+) -> _Steps[_T]:
+    """One data RPC (``method`` of ``stub``) with its memory registrations: inline without
+    ``ipc``; by reference, the server's devices first (once), then a memoized request or a new
+    one, registering allocations not yet registered (and unregistering the ranges they make
+    stale); on MEMORY_TOKEN_NOT_FOUND (the server restarted) everything again, once."""
+    if ipc is None:
+        op.check()
+        response = yield _Rpc(method, op.make(None, False, b""), timeout_s, True)
+        return op.finish(response, False)
+    for attempt in range(2):
+        if not ipc.knows_server:
+            reply = yield _Rpc(stub.GetServerInfo, pb.GetServerInfoRequest(), timeout_s, True)
+            info = _wire.decode_server_info(reply)
+            ipc.set_server(info.supports_memory_references, [d.uuid for d in info.devices])
+        # Read before any token: an entry stored with it is valid while it is unchanged.
+        generation = ipc.registry.generation
+        entry = _memo_entry(ipc, op)
+        refs: RequestRefs | None
+        if entry is not None:
+            refs, use_outputs = entry.refs, entry.use_outputs
+        else:
+            op.check()
+            refs = ipc.refs(op.tensors)
+            if refs is not None:
+                for allocation in refs.missing():
+                    request = ipc.register_request(allocation)
+                    registered = yield _Rpc(stub.RegisterMemory, request, timeout_s, False)
+                    for stale in ipc.registry.add(allocation, registered.region_token):
+                        yield from _unregister_steps(stub, stale)
+            use_outputs = ipc.uses(refs, op.outputs)
+        request = _request(ipc, op, refs, use_outputs, entry, generation)
+        try:
+            response = yield _Rpc(method, request, timeout_s, op.idempotent)
+        except MemoryTokenNotFoundError:
+            if attempt or refs is None:
+                raise
+            ipc.forget_server()  # the server restarted: its regions (and the memo) are gone
+            continue
+        return op.finish(response, use_outputs)
+    raise AssertionError("unreachable: the loop returns or raises")
+
+
 class Client:
     """Synchronous client of a ddtree server.
 
@@ -566,20 +644,8 @@ class Client:
         """Unregister this client's memory regions (best effort), then close the channel."""
         if self._ipc is not None:
             for token in self._ipc.forget_server():
-                self._unregister_quietly(token)
+                self._run(_unregister_steps(self._stub, token))
         self._channel.close()
-
-    def _unregister_quietly(self, token: str) -> None:
-        # Cleanup: a region the server no longer knows, or a server that is gone, is fine.
-        try:
-            self._call(
-                self._stub.UnregisterMemory,
-                pb.UnregisterMemoryRequest(region_token=token),
-                None,
-                idempotent=False,
-            )
-        except DDTreeClientError:
-            return
 
     def list_memory(self, *, timeout_s: float | None = None) -> list[MemoryRegion]:
         """This client's registered regions on the server (empty without references)."""
@@ -593,44 +659,25 @@ class Client:
         return _memory_regions(response)
 
     def _send(self, method: Callable[..., Any], op: _Op[_T], timeout_s: float | None) -> _T:
-        """Run one data RPC, registering memory as needed; re-register once on NOT_FOUND."""
-        ipc = self._ipc
-        if ipc is None:
-            op.check()
-            response = self._call(method, op.make(None, False, b""), timeout_s, idempotent=True)
-            return op.finish(response, False)
-        for attempt in range(2):
-            if not ipc.knows_server:
-                info = self.server_info(timeout_s=timeout_s)
-                ipc.set_server(info.supports_memory_references, [d.uuid for d in info.devices])
-            # Read before any token: an entry stored with it is valid while it is unchanged.
-            generation = ipc.registry.generation
-            entry = _memo_entry(ipc, op)
-            refs: RequestRefs | None
-            if entry is not None:
-                refs, use_outputs = entry.refs, entry.use_outputs
-            else:
-                op.check()
-                refs = ipc.refs(op.tensors)
-                if refs is not None:
-                    for allocation in refs.missing():
-                        request = ipc.register_request(allocation)
-                        registered = self._call(
-                            self._stub.RegisterMemory, request, timeout_s, idempotent=False
-                        )
-                        for stale in ipc.registry.add(allocation, registered.region_token):
-                            self._unregister_quietly(stale)
-                use_outputs = ipc.uses(refs, op.outputs)
-            request = _request(ipc, op, refs, use_outputs, entry, generation)
+        """Run one data RPC, registering memory as needed (``_send_steps``)."""
+        return self._run(_send_steps(self._ipc, self._stub, method, op, timeout_s))
+
+    def _run(self, steps: _Steps[_T]) -> _T:
+        """Drive ``steps``: send each RPC it yields and hand it the reply or the error."""
+        reply: Any = None
+        error: DDTreeClientError | None = None
+        while True:
             try:
-                response = self._call(method, request, timeout_s, idempotent=op.idempotent)
-            except MemoryTokenNotFoundError:
-                if attempt or refs is None:
-                    raise
-                ipc.forget_server()  # the server restarted: its regions (and the memo) are gone
-                continue
-            return op.finish(response, use_outputs)
-        raise AssertionError("unreachable: the loop returns or raises")
+                rpc = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            try:
+                reply = self._call(
+                    rpc.method, rpc.request, rpc.timeout_s, idempotent=rpc.idempotent
+                )
+                error = None
+            except DDTreeClientError as err:
+                reply, error = None, err
 
     def __enter__(self) -> Client:
         return self
@@ -904,19 +951,8 @@ class AsyncClient:
         """Unregister this client's memory regions (best effort), then close the channel."""
         if self._ipc is not None:
             for token in self._ipc.forget_server():
-                await self._unregister_quietly(token)
+                await self._run(_unregister_steps(self._stub, token))
         await self._channel.close()
-
-    async def _unregister_quietly(self, token: str) -> None:
-        try:
-            await self._call(
-                self._stub.UnregisterMemory,
-                pb.UnregisterMemoryRequest(region_token=token),
-                None,
-                idempotent=False,
-            )
-        except DDTreeClientError:
-            return
 
     async def list_memory(self, *, timeout_s: float | None = None) -> list[MemoryRegion]:
         """See ``Client.list_memory``."""
@@ -931,44 +967,24 @@ class AsyncClient:
 
     async def _send(self, method: Callable[..., Any], op: _Op[_T], timeout_s: float | None) -> _T:
         """See ``Client._send``."""
-        ipc = self._ipc
-        if ipc is None:
-            op.check()
-            response = await self._call(
-                method, op.make(None, False, b""), timeout_s, idempotent=True
-            )
-            return op.finish(response, False)
-        for attempt in range(2):
-            if not ipc.knows_server:
-                info = await self.server_info(timeout_s=timeout_s)
-                ipc.set_server(info.supports_memory_references, [d.uuid for d in info.devices])
-            generation = ipc.registry.generation
-            entry = _memo_entry(ipc, op)
-            refs: RequestRefs | None
-            if entry is not None:
-                refs, use_outputs = entry.refs, entry.use_outputs
-            else:
-                op.check()
-                refs = ipc.refs(op.tensors)
-                if refs is not None:
-                    for allocation in refs.missing():
-                        request = ipc.register_request(allocation)
-                        registered = await self._call(
-                            self._stub.RegisterMemory, request, timeout_s, idempotent=False
-                        )
-                        for stale in ipc.registry.add(allocation, registered.region_token):
-                            await self._unregister_quietly(stale)
-                use_outputs = ipc.uses(refs, op.outputs)
-            request = _request(ipc, op, refs, use_outputs, entry, generation)
+        return await self._run(_send_steps(self._ipc, self._stub, method, op, timeout_s))
+
+    async def _run(self, steps: _Steps[_T]) -> _T:
+        """See ``Client._run``."""
+        reply: Any = None
+        error: DDTreeClientError | None = None
+        while True:
             try:
-                response = await self._call(method, request, timeout_s, idempotent=op.idempotent)
-            except MemoryTokenNotFoundError:
-                if attempt or refs is None:
-                    raise
-                ipc.forget_server()
-                continue
-            return op.finish(response, use_outputs)
-        raise AssertionError("unreachable: the loop returns or raises")
+                rpc = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            try:
+                reply = await self._call(
+                    rpc.method, rpc.request, rpc.timeout_s, idempotent=rpc.idempotent
+                )
+                error = None
+            except DDTreeClientError as err:
+                reply, error = None, err
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -361,17 +361,43 @@ class FakeStub:
         return pb.BuildTreeResponse()
 
 
+class AsyncFakeStub:
+    """A ``FakeStub``'s server behind awaitable methods, failing as ``grpc.aio`` calls do."""
+
+    def __init__(self, stub: FakeStub) -> None:
+        self.stub = stub
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        method = getattr(self.stub, name)
+
+        async def call(request: Any, timeout: float) -> Any:
+            try:
+                return method(request, timeout=timeout)
+            except TokenNotFound as err:
+                trailing = grpc.aio.Metadata(*err.trailing_metadata())
+                raise grpc.aio.AioRpcError(
+                    err.code(), grpc.aio.Metadata(), trailing, err.details()
+                ) from None
+
+        return call
+
+
 class Rig:
-    """A ``Client(tensor_transport="ipc")`` over a fake driver and a fake server.
+    """A ``Client(tensor_transport="ipc")`` (or the ``AsyncClient`` given, made in a running
+    event loop) over a fake driver and a fake server.
 
     Logits live in one allocation; the root tokens and the six destinations of ``out`` in
     another, as torch's caching allocator places them.
     """
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, async_client: AsyncClient | None = None
+    ) -> None:
         self.driver = FakeDriver()
         self.stub = FakeStub()
-        self.client = Client("127.0.0.1:1", tensor_transport="ipc", use_ipc_events=True)
+        self.client: Client | AsyncClient = async_client or Client(
+            "127.0.0.1:1", tensor_transport="ipc", use_ipc_events=True
+        )
         ipc = self.client._ipc
         assert ipc is not None
         self.ipc = ipc
@@ -389,7 +415,8 @@ class Rig:
             "register_request",
             lambda found: pb.RegisterMemoryRequest(device_uuid=found.device_uuid),
         )
-        self.client._stub = self.stub  # type: ignore[assignment]
+        stub: Any = self.stub if async_client is None else AsyncFakeStub(self.stub)
+        self.client._stub = stub
         self.big = self.driver.malloc(0x1000000, 0x1000000)
         self.small = self.driver.malloc(0x4000000, 0x100000)
         self.logits = fake_tensor((2, 3, 5), torch.float32, self.big.base_pointer + 0x200)
@@ -412,7 +439,15 @@ class Rig:
 
     def build(self, **kwargs: Any) -> pb.BuildTreeRequest:
         """One call with the rig's buffers; returns the request the server got."""
+        assert isinstance(self.client, Client)
         tree = self.client.build_tree(self.logits, self.roots, 4, out=self.out, **kwargs)
+        assert tree is self.out
+        return self.stub.sent[-1]
+
+    async def build_async(self) -> pb.BuildTreeRequest:
+        """``build`` through the rig's ``AsyncClient``."""
+        assert isinstance(self.client, AsyncClient)
+        tree = await self.client.build_tree(self.logits, self.roots, 4, out=self.out)
         assert tree is self.out
         return self.stub.sent[-1]
 
@@ -496,6 +531,27 @@ def test_token_not_found_drops_the_memo_and_registers_again(rig: Rig) -> None:
     assert tokens_of(retried) == {"tok-3", "tok-4"}
     assert all(rig.build() is not first for _ in range(2))
     assert "tok-1" not in tokens_of(rig.stub.sent[-1])
+
+
+def test_the_async_client_runs_the_same_reference_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``AsyncClient`` sends by reference through the sync client's steps: it registers each
+    allocation once, reuses a memoized request, and registers again after a restart."""
+
+    async def scenario() -> None:
+        client = AsyncClient("127.0.0.1:1", tensor_transport="ipc", use_ipc_events=True)
+        rig = Rig(monkeypatch, client)
+        registering = await rig.build_async()
+        assert tokens_of(registering) == {"tok-1", "tok-2"}
+        first = await rig.build_async()
+        assert first is not registering and await rig.build_async() is first
+        assert (rig.ipc.memo.hits, rig.stub.registered) == (1, 2)
+        rig.stub.forget_next = True  # the server restarted
+        retried = await rig.build_async()
+        assert rig.stub.sent[-2] is first and tokens_of(retried) == {"tok-3", "tok-4"}
+        await client.close()
+        assert sorted(rig.stub.unregistered) == ["tok-3", "tok-4"]
+
+    asyncio.run(scenario())
 
 
 def test_per_request_budgets_and_inline_tensors_are_never_memoized(
