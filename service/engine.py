@@ -586,19 +586,9 @@ class Engine:
         WarmingUp, ShuttingDown
             The engine is not ready or closed.
         """
-        try:
-            self._check_state()
-            self._validate(call, validate_build_tree)
-            return self._submit(
-                call.deadline_s,
-                lambda: self._build_tree(call),
-                leases=call.leases,
-                wait_event=(call.wait_event_ipc_handle, "build_tree.wait_event_ipc_handle"),
-                inline=inline,
-            )
-        except BaseException:
-            _release(call.leases)
-            raise
+        return self._submit_call(
+            call, validate_build_tree, lambda: self._build_tree(call), "build_tree", inline
+        )
 
     def accept_tree(
         self, call: AcceptTreeCall, *, inline: bool = False
@@ -626,19 +616,9 @@ class Engine:
         WarmingUp, ShuttingDown
             The engine is not ready or closed.
         """
-        try:
-            self._check_state()
-            self._validate(call, validate_accept_tree)
-            return self._submit(
-                call.deadline_s,
-                lambda: self._accept_tree(call),
-                leases=call.leases,
-                wait_event=(call.wait_event_ipc_handle, "accept_tree.wait_event_ipc_handle"),
-                inline=inline,
-            )
-        except BaseException:
-            _release(call.leases)
-            raise
+        return self._submit_call(
+            call, validate_accept_tree, lambda: self._accept_tree(call), "accept_tree", inline
+        )
 
     def verify_attention(
         self, call: VerifyAttentionCall, *, inline: bool = False
@@ -660,19 +640,13 @@ class Engine:
         WarmingUp, ShuttingDown
             The engine is not ready or closed.
         """
-        try:
-            self._check_state()
-            self._validate(call, validate_verify_attention)
-            return self._submit(
-                call.deadline_s,
-                lambda: self._verify_attention(call),
-                leases=call.leases,
-                wait_event=(call.wait_event_ipc_handle, "verify_attention.wait_event_ipc_handle"),
-                inline=inline,
-            )
-        except BaseException:
-            _release(call.leases)
-            raise
+        return self._submit_call(
+            call,
+            validate_verify_attention,
+            lambda: self._verify_attention(call),
+            "verify_attention",
+            inline,
+        )
 
     # ------------------------------------------------------------------ internals
 
@@ -694,6 +668,31 @@ class Engine:
         validate(call, self.limits)
         if prepared is not None:
             prepared.validated_for = self.limits
+
+    def _submit_call(
+        self,
+        call: _Call,
+        validate: Callable[[_Call, CallLimits], None],
+        work: Callable[[], _T],
+        op: str,
+        inline: bool,
+    ) -> Future[_T]:
+        """A data call's checks (engine state, ``validate``), then ``work`` submitted with the
+        call's deadline, leases and IPC event (``op``.wait_event_ipc_handle names it in errors).
+        The leases are released here when the call is refused before it is submitted."""
+        try:
+            self._check_state()
+            self._validate(call, validate)
+            return self._submit(
+                call.deadline_s,
+                work,
+                leases=call.leases,
+                wait_event=(call.wait_event_ipc_handle, f"{op}.wait_event_ipc_handle"),
+                inline=inline,
+            )
+        except BaseException:
+            _release(call.leases)
+            raise
 
     def _submit(
         self,
