@@ -581,7 +581,42 @@ def _send_steps(
     raise AssertionError("unreachable: the loop returns or raises")
 
 
-class Client:
+class _Connection:
+    """What both clients hold: the address, the default deadline, the retry budget, the IPC
+    state and the channel (``_grpc``: ``grpc`` or ``grpc.aio``, whose channel makers take the
+    same arguments). Parameters: see ``Client``."""
+
+    _grpc: Any
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        default_timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tensor_transport: str = "inline",
+        client_id: str | None = None,
+        use_ipc_events: bool = False,
+        tls: TlsOptions | None = None,
+    ) -> None:
+        self.address = address
+        self.default_timeout_s = default_timeout_s
+        self._retry = retry or RetryPolicy()
+        self._budget = _RetryBudget(self._retry)
+        self._ipc = _make_ipc(tensor_transport, client_id, use_ipc_events)
+        options = _channel_options(max_message_bytes)
+        credentials = _credentials(address, tls, options)
+        if credentials is None:
+            self._channel = self._grpc.insecure_channel(_target(address), options=options)
+        else:
+            self._channel = self._grpc.secure_channel(
+                _target(address), credentials, options=options
+            )
+        self._stub = pb_grpc.TreeSpeculationServiceStub(self._channel)
+
+
+class Client(_Connection):
     """Synchronous client of a ddtree server.
 
     Parameters
@@ -615,30 +650,8 @@ class Client:
     ...     acceptance = client.accept_tree(tree, torch.zeros_like(tree.tokens))
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        default_timeout_s: float = 30.0,
-        retry: RetryPolicy | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        tensor_transport: str = "inline",
-        client_id: str | None = None,
-        use_ipc_events: bool = False,
-        tls: TlsOptions | None = None,
-    ) -> None:
-        self.address = address
-        self.default_timeout_s = default_timeout_s
-        self._retry = retry or RetryPolicy()
-        self._budget = _RetryBudget(self._retry)
-        self._ipc = _make_ipc(tensor_transport, client_id, use_ipc_events)
-        options = _channel_options(max_message_bytes)
-        credentials = _credentials(address, tls, options)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(_target(address), options=options)
-        else:
-            self._channel = grpc.secure_channel(_target(address), credentials, options=options)
-        self._stub = pb_grpc.TreeSpeculationServiceStub(self._channel)
+    _grpc = grpc
+    _channel: grpc.Channel
 
     def close(self) -> None:
         """Unregister this client's memory regions (best effort), then close the channel."""
@@ -916,36 +929,14 @@ class Client:
         return self._send(self._stub.VerifyAttention, op, timeout_s)
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """``asyncio`` client of a ddtree server; the same methods as ``Client``, awaitable.
 
     Parameters are those of ``Client``. Create it inside a running event loop.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        default_timeout_s: float = 30.0,
-        retry: RetryPolicy | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        tensor_transport: str = "inline",
-        client_id: str | None = None,
-        use_ipc_events: bool = False,
-        tls: TlsOptions | None = None,
-    ) -> None:
-        self.address = address
-        self.default_timeout_s = default_timeout_s
-        self._retry = retry or RetryPolicy()
-        self._budget = _RetryBudget(self._retry)
-        self._ipc = _make_ipc(tensor_transport, client_id, use_ipc_events)
-        options = _channel_options(max_message_bytes)
-        credentials = _credentials(address, tls, options)
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(_target(address), options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(_target(address), credentials, options=options)
-        self._stub = pb_grpc.TreeSpeculationServiceStub(self._channel)
+    _grpc = grpc.aio
+    _channel: grpc.aio.Channel
 
     async def close(self) -> None:
         """Unregister this client's memory regions (best effort), then close the channel."""
