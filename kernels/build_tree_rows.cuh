@@ -64,22 +64,25 @@ __device__ __forceinline__ void ddtree_warp_stats(float& m, float& s, float& inf
   m = top;
 }
 
-__device__ __forceinline__ float ddtree_block_reduce_max(float v, float* scratch) {
-  v = ddtree_warp_max(v);
+// The block's reduction of v by `warp_reduce` (a warp max or sum; `identity` stands for the
+// lanes past the block's warps), in every thread. Every thread of the block calls it.
+template <typename WarpReduce>
+__device__ __forceinline__ float ddtree_block_reduce(float v, float* scratch,
+                                                     WarpReduce warp_reduce, float identity) {
+  v = warp_reduce(v);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   __syncthreads();
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  return ddtree_warp_max(lane < warps ? scratch[lane] : -DDTREE_INF);
+  return warp_reduce(lane < warps ? scratch[lane] : identity);
+}
+
+__device__ __forceinline__ float ddtree_block_reduce_max(float v, float* scratch) {
+  return ddtree_block_reduce(v, scratch, [](float x) { return ddtree_warp_max(x); }, -DDTREE_INF);
 }
 
 __device__ __forceinline__ float ddtree_block_reduce_sum(float v, float* scratch) {
-  v = ddtree_warp_sum(v);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  return ddtree_warp_sum(lane < warps ? scratch[lane] : 0.0f);
+  return ddtree_block_reduce(v, scratch, [](float x) { return ddtree_warp_sum(x); }, 0.0f);
 }
 
 // Sorts sorted[0, size) descending (size a power of two). Every thread of the block must call it.
