@@ -186,7 +186,7 @@ __device__ __noinline__ ddtree_stats ddtree_step_stats_careful(ddtree_step_value
 // Largest |m| whose exponents the streaming loop takes as one fma each (ddtree_step_stats):
 // below it, m * log2(e) rounds by at most 2^-9, and that error is put back exactly. Rows with
 // larger logits take the careful pass, as rows with +inf or NaN do. The fma instead of a
-// subtraction and a product took 30 of the loop's 369 instructions per step away; on the H200
+// subtraction and a product took 30 of the loop's 383 instructions per step away; on the H200
 // the top-k took 0-2 % less time (B 32 K 64: 69.3 -> 68.2 us, ...-topk-streaming-s24.json).
 #define DDTREE_FMA_MAX 32768.0f
 
