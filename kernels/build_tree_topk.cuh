@@ -453,7 +453,7 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
   }
   int count = 0, nh = 0, step = 0;
   // This lane's first vector of the next step (read only where the step is whole and the row
-  // 16-byte aligned), advanced one step per iteration.
+  // 16-byte aligned), advanced by each step.
   const uint4* next_vectors = reinterpret_cast<const uint4*>(src + begin + DDTREE_STRIDE) + lane;
   constexpr int STRIDE_VECTORS = DDTREE_STRIDE / DDTREE_VEC;
   int start = begin;
