@@ -254,12 +254,17 @@ __device__ __forceinline__ void ddtree_raise_threshold(const uint32_t* warp_boun
                                                 (unsigned long long)low << 32));
 }
 
-// The j-th largest (1 <= j <= 32, counting equal keys separately) of the warp's keys (all > 0),
-// in every lane. Up to j = 4 by j rounds of a warp max, each retiring one lane; beyond, by each
-// lane's rank (larger keys first, equal keys by lane: 32 shuffles with no chain between them).
-// On the H200 the ranks made the top-k 1-5 % faster at j = 8 and 16 (B 32 K 64 71.4 -> 70.8 us,
-// K 128 92.8 -> 88.1; bench/results/2026-11-30-h200-topk-lane-bound-s15.json) and 3 % slower at
-// j = 2 (...-topk-experiments-s15.json, run "lane_bound"). One whole warp calls it.
+// A lower bound of the j-th largest (1 <= j <= 32, counting equal keys separately) of the warp's
+// keys (all > 0), in every lane: j lanes hold keys at or above it. Up to j = 4 the j-th largest
+// itself, by j rounds of a warp max, each retiring one lane. Beyond, by each lane's rank among
+// keys made distinct by the lane id in their 5 low bits (32 shuffles with no chain between them,
+// one compare each), with those bits cleared: at most 31 below the j-th largest key, and the j
+// lanes ranked first still hold keys at or above it. On the H200 the ranks made the top-k 1-5 %
+// faster than rounds at j = 8 and 16 (B 32 K 64 71.4 -> 70.8 us, K 128 92.8 -> 88.1;
+// bench/results/2026-11-30-h200-topk-lane-bound-s15.json) and 3 % slower at j = 2
+// (...-topk-experiments-s15.json, run "lane_bound"); the distinct keys took 70 of the 190
+// instructions of a rank count away, and 0-1.5 % of the top-k's time (B 32 K 64 67.3 -> 66.5
+// us; ...-topk-lane-rank-s25.json). One whole warp calls it.
 __device__ uint32_t ddtree_warp_jth_largest(uint32_t key, int j) {
   const int lane = threadIdx.x & 31;
   if (j <= 4) {
@@ -270,19 +275,18 @@ __device__ uint32_t ddtree_warp_jth_largest(uint32_t key, int j) {
     }
     return top;
   }
-  int rank = 0;
+  const uint32_t mine = (key & ~31u) | lane;
+  int rank = 0;  // keys above this lane's
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const uint32_t other = __shfl_sync(DDTREE_FULL, key, i);
-    rank += (other > key || (other == key && i < lane)) ? 1 : 0;
-  }
-  return __shfl_sync(DDTREE_FULL, key, __ffs(__ballot_sync(DDTREE_FULL, rank == j - 1)) - 1);
+  for (int i = 0; i < 32; ++i) rank += __shfl_sync(DDTREE_FULL, mine, i) > mine ? 1 : 0;
+  const int at = __ffs(__ballot_sync(DDTREE_FULL, rank == j - 1)) - 1;
+  return __shfl_sync(DDTREE_FULL, mine, at) & ~31u;
 }
 
-// Publishes the j-th largest (1 <= j <= 32) of the lanes' running maxima m as the warp's bound
-// when it beats the one published, and raises the block threshold. The lanes read disjoint
-// entries and each m is one of them (finite), so j distinct entries of the warp are at or above
-// the published value. One whole warp calls it, a few times per row (not inlined: see
+// Publishes a lower bound of the j-th largest (1 <= j <= 32) of the lanes' running maxima m
+// (ddtree_warp_jth_largest) as the warp's bound when it beats the one published, and raises the
+// block threshold. The lanes read disjoint entries and each m is one of them (finite), so j
+// distinct entries of the warp are at or above the published value. One whole warp calls it, a few times per row (not inlined: see
 // ddtree_step_stats_careful).
 __device__ __noinline__ void ddtree_publish_lane_bound(float m, int j, uint32_t* warp_bound,
                                                        unsigned long long* block_threshold) {
