@@ -8,10 +8,10 @@
 //    warp streams its own steps of the span exactly once (warp w the span's steps w, w +
 //    TOPK_WARPS, ...: every warp's bounds sample the whole span, also where large logits
 //    cluster at some token ids, as real vocabularies' do), UNROLL 16-byte vectors per lane and
-//    step (interior steps' loads `L1::no_allocate`; the first and last steps' through
-//    `__ldg`), with the next step's loads in flight in a second set of registers (the two sets
-//    trade roles every step; the step TOPK_PREFETCH ahead is asked of L2) while a step is
-//    processed, and no block barrier after the first step (see below) until the end. Per lane it keeps an online max and sum of exp(x - max) over finite x and a
+//    step (the loads `L1::no_allocate`), with the next step's loads in flight in a second set
+//    of registers (the two sets trade roles every step; the step TOPK_PREFETCH ahead is asked
+//    of L2) while a step is processed, and no block barrier after the first step (see below)
+//    until the end. Per lane it keeps an online max and sum of exp(x - max) over finite x and a
 //    count of +inf, a step at a time with no branch in the common case (each exponent one fma
 //    with the maximum's rounding error put back per step). Candidates are 64-bit composites
 //    order_key(x) << 32 | ~token (larger composite = larger scaled logit x, equal x smaller token

@@ -11,6 +11,19 @@ constexpr int DDTREE_STEP = 32 * UNROLL * DDTREE_VEC;  // entries one warp reads
 // comment).
 constexpr int DDTREE_STRIDE = TOPK_WARPS * DDTREE_STEP;
 
+// One 16-byte vector of logits that is read once: through the read-only path and not kept in
+// L1 (`L1::no_allocate`). On the H200 the top-k took 0-4 % less time than with `__ldg` (B 32
+// K 64: 68.2 -> 67.3 us; bench/results/2026-12-01-h200-topk-streaming-s24.json) in the
+// interior steps, and 0-0.6 % less in a span's first and last steps too (66.9 -> 66.5 us;
+// ...-topk-lane-rank-s25.json, run 4).
+__device__ __forceinline__ uint4 ddtree_load_once(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // Loads one warp step: vector u of lane l covers entries start + (u * 32 + l) * VEC .. + VEC - 1.
 __device__ __forceinline__ void ddtree_load_step(uint4 (&v)[UNROLL], const ddtree_logit_t* src,
                                                  int start, int end, bool vectorized) {
@@ -19,7 +32,7 @@ __device__ __forceinline__ void ddtree_load_step(uint4 (&v)[UNROLL], const ddtre
   for (int u = 0; u < UNROLL; ++u) {
     const int first = start + (u * 32 + lane) * DDTREE_VEC;
     if (vectorized && first + DDTREE_VEC <= end) {
-      v[u] = __ldg(reinterpret_cast<const uint4*>(src + first));
+      v[u] = ddtree_load_once(reinterpret_cast<const uint4*>(src + first));
     } else {
       ddtree_logit_t* e = reinterpret_cast<ddtree_logit_t*>(&v[u]);
 #pragma unroll
@@ -29,17 +42,6 @@ __device__ __forceinline__ void ddtree_load_step(uint4 (&v)[UNROLL], const ddtre
       }
     }
   }
-}
-
-// One 16-byte vector of logits that is read once: through the read-only path and not kept in
-// L1 (`L1::no_allocate`). On the H200 the top-k took 0-4 % less time than with `__ldg` (B 32
-// K 64: 68.2 -> 67.3 us; bench/results/2026-12-01-h200-topk-streaming-s24.json).
-__device__ __forceinline__ uint4 ddtree_load_once(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
 }
 
 // Element k (0 <= k < VEC, any index) of a raw 16-byte vector of logits, widened to fp32.
@@ -286,8 +288,8 @@ __device__ uint32_t ddtree_warp_jth_largest(uint32_t key, int j) {
 // Publishes a lower bound of the j-th largest (1 <= j <= 32) of the lanes' running maxima m
 // (ddtree_warp_jth_largest) as the warp's bound when it beats the one published, and raises the
 // block threshold. The lanes read disjoint entries and each m is one of them (finite), so j
-// distinct entries of the warp are at or above the published value. One whole warp calls it, a few times per row (not inlined: see
-// ddtree_step_stats_careful).
+// distinct entries of the warp are at or above the published value. One whole warp calls it, a
+// few times per row (not inlined: see ddtree_step_stats_careful).
 __device__ __noinline__ void ddtree_publish_lane_bound(float m, int j, uint32_t* warp_bound,
                                                        unsigned long long* block_threshold) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
