@@ -30,10 +30,10 @@
 //    While it streams, when j <= TOPK_BOUND_MAX_J, a warp also publishes the j-th largest of its
 //    lanes' running maxima (each lane's maximum is one entry, and the lanes' entries are
 //    distinct; for j > 4 rounded down by at most 31 order-key steps) at steps 1, 2, 4, 8, ...
-//    (every step or every second step was slower; without step 16's, the top-k at B 32 K 64
-//    took 15 % longer, with one after the last step instead as long). That bound rises as the
-//    row streams by, so the threshold follows the row's K-th largest entry instead of staying
-//    near the first steps' (B 32, K 64: 66 instead of 211 hit vectors per warp).
+//    (every step or every second step was slower; without step 16's the top-k at B 32 K 64
+//    took 15 % longer, and with one after the last step in its place 1 % longer). That bound
+//    rises as the row streams by, so the threshold follows the row's K-th largest entry instead
+//    of staying near the first steps' (B 32, K 64: 66 instead of 211 hit vectors per warp).
 //    On random logits only O(K log(V / K)) entries ever pass. At the end every warp writes its
 //    statistics and its candidates at or above the final threshold (a superset of its share of
 //    the row's top K; its K largest if more than K are), padded with composite 0, as one "part"
