@@ -270,9 +270,15 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   __shared__ ddtree_lex2 node_lex[DDTREE_REG_MAX_NODES];  // the register select's tie tuples
   __shared__ int counts[DDTREE_MAX_DEPTH + 1];  // 0 past draft_len
   __shared__ int skip, total;
-  ddtree_wait_for_previous_grid();  // launched dependent: the top-k or merge may still run
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t b = blockIdx.x;
+  // Caller data that no launch of this op writes, read before the wait (the launch before this
+  // one began after every earlier kernel of the stream had ended), so that after it the pops
+  // wait for one round trip to L2 (the top-k lists), not two.
+  const int64_t root = root_tokens[b];
+  const int requested = budgets[b];
+  const int entry_flags = tid == 0 ? error_flags[b] : 0;
+  ddtree_wait_for_previous_grid();  // launched dependent: the top-k or merge may still run
   const float* lp_global = topk_lp + b * draft_len * (int64_t)top_k;
   const float* lp = lp_in_smem ? lp_table : lp_global;
   if (lp_in_smem) {
@@ -296,9 +302,8 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   for (int i = tid; i <= DDTREE_MAX_DEPTH; i += blockDim.x) {
     counts[i] = i < draft_len ? topk_count[b * draft_len + i] : 0;
   }
-  const int64_t root = root_tokens[b];
   if (tid == 0) {
-    int flags = error_flags[b];
+    int flags = entry_flags;
     if (root < 0 || root >= vocab) {
       flags |= DDTREE_ERR_TOKEN;
       atomicOr(&error_flags[b], DDTREE_ERR_TOKEN);
@@ -322,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   } else {
     __syncthreads();
   }
-  const int budget = skip ? 0 : min(max(budgets[b], 0), num_nodes_max - 1);
+  const int budget = skip ? 0 : min(max(requested, 0), num_nodes_max - 1);
 
   int popped = -1;
   if (wide_cap > 0 && budget >= wide_min_budget) {
