@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -304,32 +305,39 @@ def test_accept_and_commit_launch_params() -> None:
         tree_cuda.commit_kv_launch_params(5, 72 * 2 + 2)
 
 
-def _first_statement(source: str, kernel: str) -> str:
-    """The first statement of a kernel's body that is not a shared-memory declaration."""
+def _before_wait(source: str, kernel: str) -> list[str]:
+    """The statements of a kernel's body before its ddtree_wait_for_previous_grid(), without
+    comments and shared-memory declarations."""
     start = source.index(f" {kernel}(")
     body = source[source.index(") {\n", start) + 4 :]
+    statements = []
     for line in body.splitlines():
         code = line.split("//")[0].strip()
+        if code == "ddtree_wait_for_previous_grid();":
+            return statements
         if code and not code.startswith(("__shared__", "extern __shared__")):
-            return code
-    raise AssertionError(f"{kernel} has an empty body")
+            statements.append(code)
+    raise AssertionError(f"{kernel} does not wait for the kernel before it")
 
 
 def test_dependent_launches_wait_for_the_kernel_before_them() -> None:
     """Launches that may start while the previous kernel runs are those of kernels that wait
-    for it before anything else; the first kernel of build_tree and its merge launch plainly."""
+    for it before they touch what it reads or writes; the first kernel of build_tree and its
+    merge launch plainly."""
     plan = tree_cuda.build_tree_plan(8, 16, 163840, 64)
     assert not plan.topk.dependent and not plan.merge.dependent
     assert plan.select.dependent
     assert tree_cuda.accept_launch_params(4, reads_logits=True).dependent
     assert tree_cuda.commit_kv_launch_params(4, 1152).dependent
     sources = {name: jit.load_source(name) for name in jit.kernel_sources()}
-    for file, kernel in [
-        ("build_tree.cu", "ddtree_build_select"),
-        ("accept.cu", "ddtree_accept"),
-        ("commit_kv.cu", "ddtree_commit_kv"),
-    ]:
-        assert _first_statement(sources[file], kernel) == "ddtree_wait_for_previous_grid();"
+    for file, kernel in [("accept.cu", "ddtree_accept"), ("commit_kv.cu", "ddtree_commit_kv")]:
+        assert _before_wait(sources[file], kernel) == []
+    # Before its wait the select only declares locals, and reads only the caller's data that
+    # neither the top-k nor the merge touches.
+    before = _before_wait(sources["build_tree.cu"], "ddtree_build_select")
+    assert all(statement.startswith("const ") for statement in before)
+    read = set(re.findall(r"(\w+)\[", " ".join(before)))
+    assert read == {"root_tokens", "budgets", "error_flags"}
 
 
 @needs_nvrtc
