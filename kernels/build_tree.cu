@@ -68,13 +68,17 @@
 //    it beats the rest of the frontier strictly (one more reduction gives the rest's best key),
 //    and so on along a chain that needs no reduction; within a chain, a run of next siblings
 //    that beat the run's first children and the rest is popped in one warp step
-//    (ddtree_sibling_run). Budgets of at least wide_min_budget, when the plan gives the launch a
-//    store (wide_cap nodes), take the wide select instead (ddtree_select_pops_wide; the plan's
-//    choice: above 96): the whole block lists every
-//    node above a rising score threshold level by level and orders them, and falls back to the
-//    serial pops only when exact ties at the budget-th score outnumber half the store. Shared
-//    memory: the popped nodes, plus the per-depth log-prob table when it fits, plus the wide
-//    select's store.
+//    (ddtree_sibling_run). With the plan's bulk_after >= 0 (batches of 8 and more, budgets of 32
+//    and more), at round bulk_after + 1 the bulk select may take a request's remaining budget:
+//    warp 0 lists every untaken node above a threshold level by level, and after a barrier the
+//    whole block ranks them and writes the first as the next pops (not on peaked rows, whose
+//    deep trees the register pops take; build_tree_select_bulk.cuh). Budgets of at least
+//    wide_min_budget, when the plan gives the launch a store (wide_cap nodes), take the wide
+//    select instead (ddtree_select_pops_wide; the plan's choice: above 96): the whole block
+//    lists every node above a rising score threshold level by level and orders them, and falls
+//    back to the serial pops only when exact ties at the budget-th score outnumber half the
+//    store. Shared memory: the popped nodes, the shared frontier or the bulk select's store (one
+//    union), plus the per-depth log-prob table when it fits, plus the wide select's store.
 //
 // Rules shared with the reference: x = logits.float() / temperature (true division), NaN -> -inf,
 // a row holding +inf gives its +inf tokens log-prob -log(count) and every other token -inf, an
@@ -105,6 +109,9 @@
 #endif
 #ifndef SELECT_THREADS
 #define SELECT_THREADS 512  // 16 warps: the wide select's levels are block-parallel
+#endif
+#ifndef DDTREE_BULK_AFTER
+#define DDTREE_BULK_AFTER -1  // register select rounds before the bulk select (< 0: never)
 #endif
 
 #define DDTREE_FULL 0xFFFFFFFFu
@@ -243,6 +250,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
 // Launch 3's machinery: the serial pops and the node writes, then the wide select.
 #include "build_tree_select.cuh"
 #include "build_tree_select_wide.cuh"
+#include "build_tree_select_bulk.cuh"
 
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select(
     const float* __restrict__ topk_lp,      // [batch, draft_len, top_k]
@@ -268,8 +276,10 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   __shared__ int8_t node_depth[DDTREE_MAX_NODES];
   __shared__ float node_score[DDTREE_MAX_NODES];
   __shared__ ddtree_lex2 node_lex[DDTREE_REG_MAX_NODES];  // the register select's tie tuples
+  __shared__ ddtree_select_store frontier;
   __shared__ int counts[DDTREE_MAX_DEPTH + 1];  // 0 past draft_len
   __shared__ int skip, total;
+  __shared__ int bulk_taken;  // the taken nodes when the bulk select listed the rest, else -1
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t b = blockIdx.x;
   // Caller data that no launch of this op writes, read before the wait (the launch before this
@@ -309,6 +319,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
       atomicOr(&error_flags[b], DDTREE_ERR_TOKEN);
     }
     skip = flags;
+    bulk_taken = -1;
     node_parent[0] = -1;
     node_rank[0] = 0;
     node_depth[0] = 0;
@@ -339,21 +350,35 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
     if (popped >= 0 && tid == 0) total = 1 + popped;
   }
   if (tid < 32 && popped < 0) {
+    // The bulk select's listing; its pops are taken by the whole block below.
+    const auto bulk = [&](int taken) {
+      if (DDTREE_BULK_AFTER < 0) return -1;
+      const int listed =
+          ddtree_select_bulk_list(taken, budget, draft_len, top_k, lp, counts, node_parent,
+                                  node_rank, node_depth, node_score, node_lex, frontier.bulk);
+      if (listed < 0) return -1;
+      if (lane == 0) bulk_taken = taken;
+      return taken + min(budget - taken, listed);
+    };
     if (budget <= 64) {
       popped = ddtree_select_pops_registers<2>(budget, draft_len, top_k, lp, counts,
                                                node_parent, node_rank, node_depth, node_score,
-                                               node_lex);
+                                               node_lex, bulk);
     } else if (budget <= 96) {
       popped = ddtree_select_pops_registers<3>(budget, draft_len, top_k, lp, counts,
                                                node_parent, node_rank, node_depth, node_score,
-                                               node_lex);
+                                               node_lex, bulk);
     } else {
       popped = ddtree_select_pops_shared(budget, draft_len, top_k, lp, counts, node_parent,
-                                         node_rank, node_depth, node_score);
+                                         node_rank, node_depth, node_score, frontier.shared);
     }
     if (lane == 0) total = 1 + popped;
   }
   __syncthreads();
+  if (DDTREE_BULK_AFTER >= 0 && bulk_taken >= 0) {
+    ddtree_select_bulk_take(bulk_taken, budget, node_parent, node_rank, node_depth, node_score,
+                            frontier.bulk);
+  }
   ddtree_select_write(total, b, root, topk_tok, draft_len, top_k, num_nodes_max, words,
                       node_parent, node_rank, node_depth, node_score, tokens, parents, depths,
                       log_probs, num_nodes, mask);

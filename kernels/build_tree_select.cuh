@@ -11,28 +11,38 @@
 #define DDTREE_NEG_INF_KEY 0x007FFFFFu
 
 // Lexicographic comparison of the rank tuples of two candidates (parent node, rank, depth) by
-// walking popped nodes' parents: true when candidate 1's tuple is smaller.
-__device__ __noinline__ bool ddtree_lex_less(int p1, int r1, int d1, int p2, int r2, int d2,
-                                             const int16_t* parent, const int16_t* rank) {
+// walking their ancestors' parents (parent_of) and ranks (rank_of): true when candidate 1's
+// tuple is smaller.
+template <typename ParentOf, typename RankOf>
+__device__ __forceinline__ bool ddtree_lex_less_by(int p1, int r1, int d1, int p2, int r2, int d2,
+                                                   ParentOf parent_of, RankOf rank_of) {
   const int depth1 = d1, depth2 = d2;
   while (d1 > d2) {
-    r1 = rank[p1];
-    p1 = parent[p1];
+    r1 = rank_of(p1);
+    p1 = parent_of(p1);
     --d1;
   }
   while (d2 > d1) {
-    r2 = rank[p2];
-    p2 = parent[p2];
+    r2 = rank_of(p2);
+    p2 = parent_of(p2);
     --d2;
   }
   if (p1 == p2 && r1 == r2) return depth1 < depth2;  // one is a prefix of the other
   while (p1 != p2) {
-    r1 = rank[p1];
-    p1 = parent[p1];
-    r2 = rank[p2];
-    p2 = parent[p2];
+    r1 = rank_of(p1);
+    p1 = parent_of(p1);
+    r2 = rank_of(p2);
+    p2 = parent_of(p2);
   }
   return r1 < r2;
+}
+
+// ddtree_lex_less_by over the popped nodes' tables.
+__device__ __noinline__ bool ddtree_lex_less(int p1, int r1, int d1, int p2, int r2, int d2,
+                                             const int16_t* parent, const int16_t* rank) {
+  return ddtree_lex_less_by(
+      p1, r1, d1, p2, r2, d2, [&](int n) { return (int)parent[n]; },
+      [&](int n) { return (int)rank[n]; });
 }
 
 // A frontier candidate: parent node (11 bits), rank (10 bits), depth (6 bits).
@@ -291,16 +301,24 @@ __device__ __forceinline__ ddtree_run ddtree_sibling_run(uint32_t x0, uint32_t c
   return run;
 }
 
+// The shared-memory frontier's slots: score key, packed candidate, packed rank-tuple prefix.
+struct ddtree_shared_frontier {
+  uint32_t key[DDTREE_MAX_NODES];
+  uint32_t info[DDTREE_MAX_NODES];
+  uint64_t lex[DDTREE_MAX_NODES];
+};
+
 // Best-first pops of one request by one warp with the frontier in shared memory (any budget):
-// lane l owns slots l, l + 32, ... and keeps the best of them in registers. Writes nodes 1..popped
-// of the node tables and returns popped.
+// lane l owns slots l, l + 32, ... (`slots`) and keeps the best of them in registers. Writes
+// nodes 1..popped of the node tables and returns popped.
 __device__ __noinline__ int ddtree_select_pops_shared(int budget, int draft_len, int top_k,
                                                       const float* lp, const int* counts,
                                                       int16_t* node_parent, int16_t* node_rank,
-                                                      int8_t* node_depth, float* node_score) {
-  __shared__ uint32_t slot_key[DDTREE_MAX_NODES];
-  __shared__ uint32_t slot_info[DDTREE_MAX_NODES];
-  __shared__ uint64_t slot_lex[DDTREE_MAX_NODES];
+                                                      int8_t* node_depth, float* node_score,
+                                                      ddtree_shared_frontier& slots) {
+  uint32_t* slot_key = slots.key;
+  uint32_t* slot_info = slots.info;
+  uint64_t* slot_lex = slots.lex;
   const int lane = threadIdx.x & 31;
   const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
   // (best_key, best_lex, best_info, best_slot): the best of this lane's slots (key 0: none).
@@ -553,20 +571,22 @@ __device__ __forceinline__ ddtree_reg_slot ddtree_make_slot(uint32_t key, int pa
 // the lanes' largest keys; when one slot of the warp holds it (the common case) its lane
 // broadcasts the slot, whose children's keys are already known. Exact ties (common on peaked
 // bf16 rows) compare the candidates' rank tuples packed in two words (ddtree_lex2). The pop
-// loop is compiled twice: the first copy stores no tuples and stops at a request's first tie,
-// the popped nodes' tuples are then built by walking their parents, and the second copy extends
-// each pop's from its parent's (one loop testing a flag cost 5 % on rows without ties: session
-// 20 in docs/kernels.md). Register masks rather
-// than index compares pick slots: the compiler keeps them as selects on registers instead of
-// moving `slot` to local memory.
-template <int REGS>
+// loop is compiled twice: the first copy stores no tuples and stops at its round
+// DDTREE_BULK_AFTER + 1, where `bulk(popped)` may take the rest of the budget (the bulk select: it
+// returns the final count, or -1 having changed nothing, and the copy goes on), and at a
+// request's first exact tie, where the popped nodes' tuples are built by walking their parents
+// and the second copy takes over, extending each pop's from its parent's (one loop testing a
+// flag cost 5 % on rows without ties: session 20 in docs/kernels.md). Register masks rather than
+// index compares pick slots: the compiler keeps them as selects on registers instead of moving
+// `slot` to local memory.
+template <int REGS, typename Bulk>
 __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draft_len, int top_k,
                                                             const float* lp, const int* counts,
                                                             int16_t* node_parent,
                                                             int16_t* node_rank,
                                                             int8_t* node_depth,
                                                             float* node_score,
-                                                            ddtree_lex2* node_lex) {
+                                                            ddtree_lex2* node_lex, Bulk bulk) {
   const int lane = threadIdx.x & 31;
   const int bits = 32 - __clz(top_k);  // rank + 1 <= top_k
   const int per = 64 / bits;
@@ -590,11 +610,16 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
   };
   // The frontier's best key when the last round computed it (the `rest` below), else 0.
   uint32_t known_top = 0u;
-  // The pop loop, compiled twice: without tuples (LEX false) it returns true at the first exact
-  // tie, before that round changes anything, and the loop with tuples takes over from there.
-  const auto pops = [&](auto lex_tag) -> bool {
+  int rounds = 0;
+  // The pop loop, compiled twice: without tuples (LEX false) it stops at the first exact tie
+  // (returning 1) or at round DDTREE_BULK_AFTER + 1 (returning 2), before that round changes
+  // anything, and the bulk select or the loop with tuples takes over from there; 0: done.
+  const auto pops = [&](auto lex_tag) -> int {
     constexpr bool LEX = decltype(lex_tag)::value;
     while (popped < budget) {
+      if constexpr (!LEX) {
+        if (rounds++ == DDTREE_BULK_AFTER) return 2;
+      }
       uint32_t mine = 0u;
 #pragma unroll
       for (int r = 0; r < REGS; ++r) mine = max(mine, slot[r].key);
@@ -613,7 +638,7 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
       } else {
         // An exact score tie: this lane's smallest tuple at the top key, then the warp's, by the
         // packed tuples (parents walked only where they agree in every packed depth).
-        if constexpr (!LEX) return true;
+        if constexpr (!LEX) return 1;
         __syncwarp();  // the node tables the tie-break reads are complete
         uint32_t best_info = 0u;
         ddtree_lex2 best_lex = {0ull, 0ull};
@@ -766,13 +791,24 @@ __device__ __forceinline__ int ddtree_select_pops_registers(int budget, int draf
       if (next.key != 0u) insert(next);  // the chain's last successor joins the frontier
       known_top = rest;  // no slot holds more: `next` and every inserted key are at most rest
     }
-    return false;
+    return 0;
   };
-  if (pops(ddtree_flag<false>{})) {
-    __syncwarp();  // the node tables the tuples are built from are complete
+  int stop = pops(ddtree_flag<false>{});
+  if (stop == 2) {
+    __syncwarp();  // the node tables are complete
+    const int all = bulk(popped);
+    if (all >= 0) {
+      popped = all;
+      stop = 0;
+    } else {
+      stop = pops(ddtree_flag<false>{});  // on from the same round: it stops at a tie only
+    }
+  }
+  if (stop == 1) {
+    __syncwarp();  // as above
     ddtree_fill_lex2(popped, bits, per, node_parent, node_rank, node_depth, node_lex);
     pops(ddtree_flag<true>{});
   }
-  __syncwarp();  // the node tables are complete
+  __syncwarp();  // the node tables are complete (but the bulk select's nodes: see its take)
   return popped;
 }

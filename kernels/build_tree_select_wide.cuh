@@ -89,18 +89,19 @@ __device__ int ddtree_block_scan(int* a, int len, int* scratch) {
   return total;
 }
 
-// Number of children at or above key t of a node with score s at `depth` (>= 1): the prefix of
-// row `depth` (counts[depth] possible tokens) with key(s + lp) >= t. Most nodes have few, so
-// the search gallops from the row's start (probes 0, 1, 3, 7, ...) before it bisects.
-__device__ __forceinline__ int ddtree_children_at_least(float s, int depth, uint32_t t,
+// Number of children at or above key t of a node with score s at `depth` (>= 0), from rank
+// `from` on: the prefix of row `depth` (counts[depth] possible tokens) past `from` with
+// key(s + lp) >= t. Most nodes have few, so the search gallops from `from` (probes from, from + 1,
+// from + 3, ...) before it bisects.
+__device__ __forceinline__ int ddtree_children_at_least(float s, int depth, int from, uint32_t t,
                                                         int top_k, const float* lp,
                                                         const int* counts) {
   if (ddtree_order_key(s) < t) return 0;  // children are no better than their parent
   const float* row = lp + depth * top_k;
   const int n = counts[depth];
   auto passes = [&](int r) { return ddtree_order_key(s + row[r] + 0.0f) >= t; };
-  int lo = 0, hi = n, width = 1;  // every rank below lo passes; none from hi on
-  for (int probe = 0; probe < n; probe += width, width <<= 1) {
+  int lo = from, hi = max(n, from), width = 1;  // every rank in [from, lo) passes; none from hi on
+  for (int probe = from; probe < n; probe += width, width <<= 1) {
     if (!passes(probe)) {
       hi = probe;
       break;
@@ -115,7 +116,7 @@ __device__ __forceinline__ int ddtree_children_at_least(float s, int depth, uint
       hi = mid;
     }
   }
-  return lo;
+  return lo - from;
 }
 
 // Keeps the stored nodes [0, stored) whose key is >= t, in order, with parents renumbered.
@@ -156,7 +157,8 @@ __device__ int ddtree_wide_offsets(const ddtree_wide_store& s, int level_start, 
                                    const int* counts, int* scratch) {
   const int nodes = stored - level_start;
   for (int i = threadIdx.x; i < nodes; i += blockDim.x) {
-    s.work[i] = ddtree_children_at_least(s.score[level_start + i], depth, t, top_k, lp, counts);
+    s.work[i] = ddtree_children_at_least(s.score[level_start + i], depth, 0, t, top_k, lp,
+                                        counts);
   }
   return ddtree_block_scan(s.work, nodes, scratch);
 }
@@ -170,7 +172,7 @@ __device__ int ddtree_wide_count(const ddtree_wide_store& s, int level_start, in
     local += ddtree_order_key(s.score[i]) >= t ? 1 : 0;
   }
   for (int i = level_start + (int)threadIdx.x; i < stored; i += blockDim.x) {
-    local += ddtree_children_at_least(s.score[i], depth, t, top_k, lp, counts);
+    local += ddtree_children_at_least(s.score[i], depth, 0, t, top_k, lp, counts);
   }
   return ddtree_block_sum_int(local, scratch);
 }

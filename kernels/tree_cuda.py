@@ -67,6 +67,15 @@ _WIDE_MIN_BUDGET = 97
 """Budgets from this many nodes take the wide select; smaller ones pop serially from registers
 (build_tree_select.cuh). On the H200 the wide select won at budget 96 but lost at 16 and, on peaked
 logits, at 64 (B 32, select alone: 98 against 51 us; docs/kernels.md, session 14)."""
+_BULK_MIN_BATCH = 4
+_BULK_MIN_BUDGET = 32
+"""Batches of at least ``_BULK_MIN_BATCH`` requests with ``max_budget`` at least
+``_BULK_MIN_BUDGET`` take the bulk select from a request's first round (budgets up to 96; the
+register pops keep requests on peaked rows); others pop every node from registers. On the H200
+(graph ms, bf16 ``randn * 3``) the bulk select took 4-8 % off at batch 4 and 8, 13-17 % at batch
+32 with budget 64 and 96 and 4-5 % at batch 128 with budget 64; it added 2-9 % at batch 1 and 2-6
+% at batch 32 with budget 16, and 1-5 % at batch 32 on peaked rows (``randn * 12``), where it
+declines (docs/kernels.md, session 27)."""
 _WIDE_MAX_CAP = 4096
 """Most nodes of the wide select's store (``4 * max_budget`` at most; its packed node indices
 need 16 bits)."""
@@ -134,19 +143,24 @@ class BuildTreePlan:
     """The smallest budget that takes the wide select (``_WIDE_MIN_BUDGET``)."""
     wide_sort_size: int
     """Power of two >= max_budget, the wide select's sort width."""
+    bulk_after: int
+    """Register select rounds before the bulk select may take a request's remaining budget
+    (``DDTREE_BULK_AFTER``): 0 for the batches and budgets of ``_BULK_MIN_BATCH`` and
+    ``_BULK_MIN_BUDGET``, else -1 (never)."""
     topk: jit.LaunchParams
     merge: jit.LaunchParams
     select: jit.LaunchParams
 
     @property
     def defines(self) -> dict[str, int]:
-        """The top-k variant's macros for build_tree.cu (every build kernel is compiled with
-        them, so that the launches of one plan agree)."""
+        """The plan's macros for build_tree.cu: the top-k variant and the bulk select's start
+        (every build kernel is compiled with them, so that the launches of one plan agree)."""
         return {
             "TOPK_WARPS": self.warps,
             "UNROLL": self.unroll,
             "TOPK_MIN_BLOCKS": self.min_blocks,
             "TOPK_BOUND_MAX_J": _TOPK_BOUND_MAX_J,
+            "DDTREE_BULK_AFTER": self.bulk_after,
         }
 
 
@@ -279,6 +293,7 @@ def build_tree_plan(
         wide_cap=wide_cap,
         wide_min_budget=_WIDE_MIN_BUDGET,
         wide_sort_size=wide_sort_size,
+        bulk_after=0 if batch_size >= _BULK_MIN_BATCH and max_budget >= _BULK_MIN_BUDGET else -1,
         topk=jit.LaunchParams((num_chunks, rows, 1), (warps * 32, 1, 1), topk_smem),
         merge=jit.LaunchParams((rows, 1, 1), (merge_threads, 1, 1), merge_smem),
         select=jit.LaunchParams(

@@ -15,8 +15,18 @@ pytestmark = pytest.mark.skipif(
 # Each dtype and each top-k block shape appears once per architecture.
 _VARIANTS = {
     "build_tree.cu": [
-        {"DDTREE_DTYPE": dtype, "TOPK_WARPS": warps, "UNROLL": unroll, "TOPK_MIN_BLOCKS": blocks}
-        for dtype, warps, unroll, blocks in ((0, 8, 2, 4), (1, 4, 4, 2), (2, 8, 2, 4))
+        {
+            "DDTREE_DTYPE": dtype,
+            "TOPK_WARPS": warps,
+            "UNROLL": unroll,
+            "TOPK_MIN_BLOCKS": blocks,
+            "DDTREE_BULK_AFTER": bulk,
+        }
+        for dtype, warps, unroll, blocks, bulk in (
+            (0, 8, 2, 4, 0),
+            (1, 4, 4, 2, 4),
+            (2, 8, 2, 4, -1),
+        )
     ],
     "accept.cu": [
         {"DDTREE_DTYPE": dtype, "ACCEPT_THREADS": threads}

@@ -5,11 +5,11 @@ the ddtree kernels instrumented (``--kernel-name kns=ddtree_``), and must report
 set is small cases that together take every kernel path: each top-k geometry and its merge,
 rows sorted ascending (nearly every vector a hit, the candidate buffers shrunk all along the
 row), the register select with and without exact ties (both copies of its pop loop, and ties
-past the depths its tuples pack), the serial select in shared memory, the wide select and its
-fallback, budget 1 and 1024, draft_len 32, non-finite rows, the all-or-nothing writes into
-``out``, accept in its three modes, commit_kv and verify_attention. Those tests check their
-outputs against the reference as usual; the sanitizer adds what a wrong index could do
-without changing an output:
+past the depths its tuples pack), the bulk select and its fallback, the serial select in shared
+memory, the wide select and its fallback, budget 1 and 1024, draft_len 32, non-finite rows, the
+all-or-nothing writes into ``out``, accept in its three modes, commit_kv and verify_attention.
+Those tests check their outputs against the reference as usual; the sanitizer adds what a
+wrong index could do without changing an output:
 
 * memcheck: out-of-bounds and misaligned accesses in global, local and shared memory;
 * racecheck: shared-memory hazards between threads that no barrier orders;
@@ -44,6 +44,7 @@ _CASES = [
     f"{_TREE}::test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch[peaked]",
     f"{_TREE}::test_build_tree_wide_select_matches_the_serial_select[8-flat]",
     f"{_TREE}::test_build_tree_wide_select_matches_the_serial_select[3000-ties]",
+    f"{_TREE}::test_build_tree_bulk_select_matches_the_serial_select[3000-16-ties]",
     f"{_TREE}::test_build_tree_non_finite_rows[64]",
     f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[3-1024-dtype1-12-0]",
     f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[2-64-dtype2-12-0]",

@@ -179,6 +179,8 @@ def test_build_tree_plan_covers_the_vocabulary(
         "UNROLL": plan.unroll,
         "TOPK_MIN_BLOCKS": plan.min_blocks,
         "TOPK_BOUND_MAX_J": 16,
+        # The bulk select from the first round for batches of 4 and budgets of 32 on.
+        "DDTREE_BULK_AFTER": 0 if batch_size >= 4 and max_budget >= 32 else -1,
     }
     assert plan.topk.grid == (plan.num_chunks, rows, 1)
     assert plan.topk.block == (plan.warps * 32, 1, 1)

@@ -179,6 +179,22 @@ def _styled_bf16_logits(
     return logits.cuda()
 
 
+def _build_with_plan(
+    monkeypatch: pytest.MonkeyPatch, change: dict[str, object], *args: object, **kwargs: object
+) -> Tree:
+    """``tree_cuda.build_tree(*args, **kwargs)`` with the fields ``change`` of the device's plan
+    replaced, after poisoning the allocator."""
+    planned = tree_cuda.device_build_tree_plan
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            tree_cuda,
+            "device_build_tree_plan",
+            lambda *plan_args: dataclasses.replace(planned(*plan_args), **change),
+        )
+        _poison_allocator()
+        return tree_cuda.build_tree(*args, **kwargs)
+
+
 @pytest.mark.parametrize("style", ["random", "ties", "flat", "peaked", "non-finite"])
 def test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch(
     style: str, monkeypatch: pytest.MonkeyPatch
@@ -194,14 +210,9 @@ def test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch(
         assert planned(batch_size, draft_len, vocab_size, budget, 2, 0).merge_here
         _poison_allocator()
         here = tree_cuda.build_tree(logits, roots, budget, temperature=0.9)
-        with monkeypatch.context() as patch:
-            patch.setattr(
-                tree_cuda,
-                "device_build_tree_plan",
-                lambda *args: dataclasses.replace(planned(*args), merge_here=False),
-            )
-            _poison_allocator()
-            launched = tree_cuda.build_tree(logits, roots, budget, temperature=0.9)
+        launched = _build_with_plan(
+            monkeypatch, {"merge_here": False}, logits, roots, budget, temperature=0.9
+        )
         assert_same_tree(here, launched)
 
 
@@ -223,21 +234,47 @@ def test_build_tree_wide_select_matches_the_serial_select(
     assert planned(batch_size, draft_len, vocab_size, max_budget, 2, 0).wide_cap > 0
 
     def build(**change: int) -> Tree:
-        with monkeypatch.context() as patch:
-            patch.setattr(
-                tree_cuda,
-                "device_build_tree_plan",
-                lambda *args: dataclasses.replace(planned(*args), **change),
-            )
-            _poison_allocator()
-            return tree_cuda.build_tree(
-                logits, roots, budgets, temperature=0.9, max_budget=max_budget
-            )
+        return _build_with_plan(
+            monkeypatch,
+            dict(change),
+            logits,
+            roots,
+            budgets,
+            temperature=0.9,
+            max_budget=max_budget,
+        )
 
     serial = build(wide_cap=0)
     assert_same_tree(build(), serial)
     assert_same_tree(build(wide_cap=2 * max_budget), serial)
     assert_same_tree(build(wide_min_budget=1), serial)
+
+
+@pytest.mark.parametrize("style", ["random", "ties", "flat", "peaked", "non-finite"])
+@pytest.mark.parametrize(("vocab_size", "draft_len"), [(8, 32), (3000, 16), (40000, 5)])
+def test_build_tree_bulk_select_matches_the_serial_select(
+    style: str, vocab_size: int, draft_len: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Budgets up to 96 pop from registers until round bulk_after + 1, where the bulk select may
+    take the rest at once (not on peaked rows: their deep trees stay with the register pops);
+    its trees must be bit for bit those of the register pops alone (bulk_after -1) when it takes
+    over at once (the plan's 0, for batches of 4 and more), after some rounds (4) and late (16),
+    at ragged budgets 0..96 (flat rows over 8 tokens tie wider than its store, and the register
+    pops go on)."""
+    batch_size = 12
+    logits = _styled_bf16_logits(batch_size, draft_len, vocab_size, style, seed=29)
+    roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
+    budgets = torch.tensor([0, 1, 2, 7, 31, 32, 33, 63, 64, 65, 95, 96], device="cuda")
+
+    def build(bulk_after: int) -> Tree:
+        change = {"bulk_after": bulk_after}
+        return _build_with_plan(
+            monkeypatch, change, logits, roots, budgets, temperature=0.9, max_budget=96
+        )
+
+    serial = build(-1)
+    for bulk_after in (0, 4, 16):
+        assert_same_tree(build(bulk_after), serial)
 
 
 @pytest.mark.parametrize("vocab_size", [64, 3000])
