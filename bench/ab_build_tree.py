@@ -1,0 +1,197 @@
+"""A/B of the build_tree kernels of two source trees on one GPU, in alternating processes.
+
+Each side is a copy of the ``ddtree`` package holding the kernel sources of a git revision, of
+another source tree (a directory holding ``proto/`` and ``kernels/``, such as an unpacked ``git
+archive``) or of the working tree. It runs in processes of its own with a kernel cache of its
+own, so that the two sides never share compiled code, and the sides alternate round by round,
+so that drift within a machine session hits both alike. Per shape (batch, budget, logit scale;
+draft_len 16, vocab 163,840, bf16 ``randn * scale`` rotated over at least 240 MB of buffers,
+seeded by the shape), each process reports the op's device time in a replayed CUDA graph and per
+kernel (``sweep_build_tree.measure_build``) and a sha256 of the trees of the first four buffers,
+so that a change meant to keep the trees is checked bit for bit. Writes
+``bench/results/<date>-<gpu>-ab-build-tree.json`` (or ``--out``): every process's rows, and per
+shape each side's median graph time and whether the trees agreed.
+
+Usage: ``python bench/ab_build_tree.py --base REV|DIR [--head REV|DIR] [--shapes B:K:SCALE,...]
+[--rounds N] [--out PATH]`` (``--head`` left out: the working tree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = "1:64:3,8:64:3,32:16:3,32:64:3,32:64:12,32:96:3,128:64:3"
+# git on this checkout whoever owns it (CI runs as root).
+_GIT = ["git", "-c", "safe.directory=*", "-C", str(REPO)]
+# Package layout (pyproject.toml's package-dir): what build_tree needs of it.
+_LAYOUT = {"proto/ddtree": "ddtree", "kernels": "ddtree/kernels"}
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, float]]:
+    """``"B:K:SCALE,..."`` as (batch, budget, logit scale) triples."""
+    shapes = []
+    for item in text.split(","):
+        batch, budget, scale = item.split(":")
+        shapes.append((int(batch), int(budget), float(scale)))
+    return shapes
+
+
+def package_copy(rev: str | None, dest: Path) -> Path:
+    """A copy of the ``ddtree`` package with the kernels of ``rev`` (a git revision, or a
+    directory holding a source tree; None: the working tree) under ``dest``, to put first on
+    ``PYTHONPATH``; returns ``dest``."""
+    for source, target in _LAYOUT.items():
+        out = dest / target
+        if rev is None or Path(rev).is_dir():
+            tree = REPO if rev is None else Path(rev)
+            shutil.copytree(tree / source, out, ignore=shutil.ignore_patterns("__pycache__"))
+            continue
+        archive = subprocess.run(
+            [*_GIT, "archive", "--format=tar", rev, source],
+            check=True,
+            capture_output=True,
+        ).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    path = out / Path(member.name).relative_to(source)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    extracted = tar.extractfile(member)
+                    assert extracted is not None
+                    path.write_bytes(extracted.read())
+    return dest
+
+
+def _measure(shapes: list[tuple[int, int, float]]) -> None:
+    """Child process: one row per shape on stdout (JSON lines)."""
+    import torch
+    from bench_tree import DRAFT_LEN, VOCAB
+    from sweep_build_tree import measure_build
+
+    from ddtree.kernels import tree_cuda
+
+    # The side's copy, not an installed ddtree, must be the one measured.
+    copy = Path(os.environ["PYTHONPATH"].split(os.pathsep)[0]).resolve()
+    if not Path(tree_cuda.__file__).resolve().is_relative_to(copy):
+        raise SystemExit(f"ab_build_tree: imported {tree_cuda.__file__}, not the copy in {copy}")
+    for batch, budget, scale in shapes:
+        count = max(4, min(48, math.ceil(240e6 / (batch * DRAFT_LEN * VOCAB * 2))))
+        gen = torch.Generator(device="cuda").manual_seed(1000 * batch + budget)
+        buffers = [
+            (torch.randn(batch, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * scale).to(
+                torch.bfloat16
+            )
+            for _ in range(count)
+        ]
+        roots = torch.zeros(batch, dtype=torch.int64, device="cuda")
+        digest = hashlib.sha256()
+        for logits in buffers[:4]:
+            tree = tree_cuda.build_tree(logits, roots, budget)
+            for field in (tree.tokens, tree.parents, tree.depths, tree.log_probs, tree.num_nodes):
+                digest.update(field.cpu().numpy().tobytes())
+            digest.update(tree.mask.cpu().numpy().tobytes())
+        row = {"shape": f"{batch}:{budget}:{scale:g}", **measure_build(batch, budget, buffers)}
+        row["trees_sha256"] = digest.hexdigest()[:16]
+        row["gpu"] = torch.cuda.get_device_name()
+        print(json.dumps(row), flush=True)
+        del buffers
+        torch.cuda.empty_cache()
+
+
+def _resolve(rev: str) -> str:
+    """A directory as its absolute path, a revision as its commit."""
+    if Path(rev).is_dir():
+        return str(Path(rev).resolve())
+    return subprocess.run(
+        [*_GIT, "rev-parse", "--verify", f"{rev}^{{commit}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", help="side A: a git revision or a source tree's directory")
+    parser.add_argument("--head", default=None, help="side B, as --base (default: worktree)")
+    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+    if args.measure:
+        _measure(shapes)
+        return
+    if args.base is None:
+        parser.error("--base is required")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("ab_build_tree: needs a CUDA GPU (torch reports none)")
+    sides = {"base": _resolve(args.base), "head": _resolve(args.head) if args.head else "worktree"}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="ddtree-ab-") as tmp:
+        root = Path(tmp)
+        copies = {
+            side: package_copy(None if rev == "worktree" else rev, root / side)
+            for side, rev in sides.items()
+        }
+        for round_index in range(args.rounds):
+            for side, copy in copies.items():
+                env = dict(
+                    os.environ,
+                    PYTHONPATH=os.pathsep.join([str(copy), str(REPO / "bench")]),
+                    DDTREE_CACHE_DIR=str(root / f"cache-{side}"),
+                )
+                result = subprocess.run(
+                    [sys.executable, __file__, "--measure", "--shapes", args.shapes],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if result.returncode != 0:
+                    raise SystemExit(f"ab_build_tree: the {side} process failed:\n{result.stderr}")
+                for line in result.stdout.splitlines():
+                    if line.startswith("{"):
+                        row = json.loads(line)
+                        rows.append({"side": side, "round": round_index, **row})
+                        print(json.dumps(rows[-1]), flush=True)
+    summary = {}
+    for shape in dict.fromkeys(row["shape"] for row in rows):
+        of_shape = [row for row in rows if row["shape"] == shape]
+        base_ms = statistics.median(r["graph_ms"] for r in of_shape if r["side"] == "base")
+        head_ms = statistics.median(r["graph_ms"] for r in of_shape if r["side"] == "head")
+        summary[shape] = {
+            "base_graph_ms": base_ms,
+            "head_graph_ms": head_ms,
+            "head_over_base": round(head_ms / base_ms, 4),
+            "trees_equal": len({r["trees_sha256"] for r in of_shape}) == 1,
+        }
+    gpu = rows[0]["gpu"] if rows else "unknown"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    slug = gpu.lower().replace("nvidia ", "").replace(" ", "-")
+    out = args.out or REPO / "bench" / "results" / f"{date}-{slug}-ab-build-tree.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"date": date, "gpu": gpu, "sides": sides, "summary": summary, "rows": rows}
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

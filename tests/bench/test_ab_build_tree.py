@@ -1,0 +1,51 @@
+"""The build_tree A/B tool (bench/ab_build_tree.py): its package copies and its inputs (CPU).
+
+The measurement itself needs a GPU; on the CPU the tool must refuse clearly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.scripts import load_bench
+
+_IMPORT = "import ddtree.kernels.tree_cuda as t; print(t.__file__)"
+
+
+@pytest.mark.parametrize("rev", ["HEAD", "directory", None], ids=["revision", "tree", "worktree"])
+def test_a_package_copy_is_what_its_processes_import(rev: str | None, tmp_path: Path) -> None:
+    ab = load_bench("ab_build_tree")
+    if rev == "directory":  # a source tree elsewhere: the working tree's own files, copied
+        rev = str(tmp_path / "tree")
+        for part in ("proto", "kernels"):
+            shutil.copytree(ab.REPO / part, Path(rev) / part)
+    copy = ab.package_copy(rev, tmp_path / "side")
+    for name in ("build_tree.cu", "build_tree_select_bulk.cuh", "tree_cuda.py"):
+        assert (copy / "ddtree" / "kernels" / name).is_file(), name
+    assert (copy / "ddtree" / "__init__.py").is_file()
+    env = dict(os.environ, PYTHONPATH=str(copy))
+    imported = subprocess.run(
+        [sys.executable, "-c", _IMPORT], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    # Ahead of the installed (editable) ddtree, which would make both sides the same code.
+    assert Path(imported).resolve().is_relative_to(copy.resolve())
+
+
+def test_shapes_are_parsed() -> None:
+    ab = load_bench("ab_build_tree")
+    assert ab.parse_shapes("32:64:3,1:16:0.5") == [(32, 64, 3.0), (1, 16, 0.5)]
+    with pytest.raises(ValueError):
+        ab.parse_shapes("32:64")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_without_a_gpu_it_refuses_clearly() -> None:
+    ab = load_bench("ab_build_tree")
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        ab.main(["--base", "HEAD", "--shapes", "1:16:3"])
