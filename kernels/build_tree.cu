@@ -68,7 +68,7 @@
 //    it beats the rest of the frontier strictly (one more reduction gives the rest's best key),
 //    and so on along a chain that needs no reduction; within a chain, a run of next siblings
 //    that beat the run's first children and the rest is popped in one warp step
-//    (ddtree_sibling_run). With the plan's bulk_after >= 0 (batches of 8 and more, budgets of 32
+//    (ddtree_sibling_run). With the plan's bulk_after >= 0 (batches of 4 and more, budgets of 32
 //    and more), at round bulk_after + 1 the bulk select may take a request's remaining budget:
 //    warp 0 lists every untaken node above a threshold level by level, and after a barrier the
 //    whole block ranks them and writes the first as the next pops (not on peaked rows, whose
@@ -247,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
                    topk_tok, topk_count);
 }
 
-// Launch 3's machinery: the serial pops and the node writes, then the wide select.
+// Launch 3's machinery: the serial pops and the node writes, then the wide and the bulk selects.
 #include "build_tree_select.cuh"
 #include "build_tree_select_wide.cuh"
 #include "build_tree_select_bulk.cuh"
