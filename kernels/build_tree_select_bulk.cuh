@@ -147,15 +147,7 @@ __device__ __noinline__ int ddtree_select_bulk_list(int popped, int budget, int 
   };
   // The level's child c (< the total): its item (the last with off <= c) and rank.
   const auto child_of = [&](const ddtree_bulk_level& level, int c, ddtree_bulk_item& parent) {
-    int lo = 0, hi = level.count;  // off[lo] <= c < off[hi]
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (s.off[mid] <= c) {
-        lo = mid;
-      } else {
-        hi = mid;
-      }
-    }
+    const int lo = ddtree_offset_owner(s.off, level.count, c);
     parent = item(level, lo);
     return parent.from + c - s.off[lo];
   };

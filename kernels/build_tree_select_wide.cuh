@@ -119,6 +119,21 @@ __device__ __forceinline__ int ddtree_children_at_least(float s, int depth, int 
   return lo - from;
 }
 
+// The last i in [0, count) with off[i] <= c, for offsets off[0, count] ascending with off[0]
+// <= c < off[count]: the node whose children, placed at exclusive offsets off, include child c.
+__device__ __forceinline__ int ddtree_offset_owner(const int* off, int count, int c) {
+  int lo = 0, hi = count;  // off[lo] <= c < off[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (off[mid] <= c) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 // Keeps the stored nodes [0, stored) whose key is >= t, in order, with parents renumbered.
 // Updates stored and level_start (the first node of the last level). Every thread calls it.
 __device__ void ddtree_wide_compact(const ddtree_wide_store& s, uint32_t t, int& stored,
@@ -258,15 +273,7 @@ __device__ __noinline__ int ddtree_select_pops_wide(int budget, int draft_len, i
     const int nodes = stored - level_start;
     const float* row = lp + depth * top_k;
     for (int j = tid; j < m; j += blockDim.x) {
-      int lo = 0, hi = nodes;  // work[lo] <= j < work[hi] (work[nodes] = m)
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (s.work[mid] <= j) {
-          lo = mid;
-        } else {
-          hi = mid;
-        }
-      }
+      const int lo = ddtree_offset_owner(s.work, nodes, j);  // work[nodes] = m
       const int p = level_start + lo, r = j - s.work[lo];
       s.score[stored + j] = s.score[p] + row[r] + 0.0f;
       s.parent[stored + j] = (int16_t)p;
