@@ -79,10 +79,11 @@ def package_copy(rev: str | None, dest: Path) -> Path:
 def _measure(shapes: list[tuple[int, int, float]]) -> None:
     """Child process: one row per shape on stdout (JSON lines)."""
     import torch
-    from bench_tree import DRAFT_LEN, VOCAB
+    from bench_tree import DRAFT_LEN, VOCAB, bf16_logits
     from sweep_build_tree import measure_build
 
     from ddtree.kernels import tree_cuda
+    from ddtree.kernels.types import TREE_FIELDS
 
     # The side's copy, not an installed ddtree, must be the one measured.
     copy = Path(os.environ["PYTHONPATH"].split(os.pathsep)[0]).resolve()
@@ -90,20 +91,13 @@ def _measure(shapes: list[tuple[int, int, float]]) -> None:
         raise SystemExit(f"ab_build_tree: imported {tree_cuda.__file__}, not the copy in {copy}")
     for batch, budget, scale in shapes:
         count = max(4, min(48, math.ceil(240e6 / (batch * DRAFT_LEN * VOCAB * 2))))
-        gen = torch.Generator(device="cuda").manual_seed(1000 * batch + budget)
-        buffers = [
-            (torch.randn(batch, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * scale).to(
-                torch.bfloat16
-            )
-            for _ in range(count)
-        ]
+        buffers = bf16_logits(batch, count, scale=scale, seed=1000 * batch + budget)
         roots = torch.zeros(batch, dtype=torch.int64, device="cuda")
         digest = hashlib.sha256()
         for logits in buffers[:4]:
             tree = tree_cuda.build_tree(logits, roots, budget)
-            for field in (tree.tokens, tree.parents, tree.depths, tree.log_probs, tree.num_nodes):
-                digest.update(field.cpu().numpy().tobytes())
-            digest.update(tree.mask.cpu().numpy().tobytes())
+            for field in TREE_FIELDS:
+                digest.update(getattr(tree, field).cpu().numpy().tobytes())
         row = {"shape": f"{batch}:{budget}:{scale:g}", **measure_build(batch, budget, buffers)}
         row["trees_sha256"] = digest.hexdigest()[:16]
         row["gpu"] = torch.cuda.get_device_name()

@@ -75,12 +75,15 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def bf16_logits(batch_size: int, count: int) -> list[torch.Tensor]:
-    """``count`` draft-logit buffers ``[batch_size, DRAFT_LEN, VOCAB]``, bf16 ``randn * 3``
-    (seeded by the batch size), rotated so that the L2 cache cannot serve them."""
-    gen = torch.Generator(device="cuda").manual_seed(batch_size)
+def bf16_logits(
+    batch_size: int, count: int, scale: float = 3.0, seed: int | None = None
+) -> list[torch.Tensor]:
+    """``count`` draft-logit buffers ``[batch_size, DRAFT_LEN, VOCAB]``, bf16 ``randn * scale``
+    (seeded by ``seed``, by default the batch size), rotated so that the L2 cache cannot serve
+    them."""
+    gen = torch.Generator(device="cuda").manual_seed(batch_size if seed is None else seed)
     return [
-        (torch.randn(batch_size, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * 3).to(
+        (torch.randn(batch_size, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * scale).to(
             torch.bfloat16
         )
         for _ in range(count)
