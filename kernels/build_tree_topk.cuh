@@ -91,8 +91,8 @@ __device__ __forceinline__ float ddtree_exp2_ftz(float x) {
   return y;
 }
 
-// Sum and largest non-NaN value (fmaxf ignores one NaN) of t[0, N) by trees of pairwise
-// operations (N a power of two; t is overwritten): log2(N) dependent steps instead of N - 1.
+// Sum of t[0, N) by a tree of pairwise additions (N a power of two; t is overwritten): log2(N)
+// dependent steps instead of N - 1.
 template <int N>
 __device__ __forceinline__ float ddtree_tree_sum(float (&t)[N]) {
   static_assert(N >= 1 && (N & (N - 1)) == 0, "pairwise trees need a power of two (UNROLL)");
@@ -105,33 +105,81 @@ __device__ __forceinline__ float ddtree_tree_sum(float (&t)[N]) {
   }
 }
 
+// A vector's largest entry kept raw (ddtree_vector_peak): for 16-bit logits one word of two
+// candidates, the pairwise maxima of the vector's packed pairs (max.bf16x2 or max.f16x2, which
+// ignore one NaN as fmaxf does, with subnormals kept), so that a step's maxima take half the
+// instructions of maxima of the widened entries; for fp32 the largest entry itself.
+// ddtree_peak_value widens a peak to the largest entry's fp32 value: exactly the largest non-NaN
+// widened entry, NaN when every entry is NaN.
+#if DDTREE_DTYPE == DDTREE_DTYPE_F32
+typedef float ddtree_peak_t;
+
+__device__ __forceinline__ ddtree_peak_t ddtree_peak_max(ddtree_peak_t a, ddtree_peak_t b) {
+  return fmaxf(a, b);
+}
+
+__device__ __forceinline__ float ddtree_peak_value(ddtree_peak_t p) { return p; }
+
+__device__ __forceinline__ ddtree_peak_t ddtree_vector_peak(const uint4& v) {
+  return fmaxf(fmaxf(__uint_as_float(v.x), __uint_as_float(v.y)),
+               fmaxf(__uint_as_float(v.z), __uint_as_float(v.w)));
+}
+#else
+typedef uint32_t ddtree_peak_t;
+
+__device__ __forceinline__ ddtree_peak_t ddtree_peak_max(ddtree_peak_t a, ddtree_peak_t b) {
+  uint32_t r;
+#if DDTREE_DTYPE == DDTREE_DTYPE_BF16
+  asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+  asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#endif
+  return r;
+}
+
+__device__ __forceinline__ float ddtree_peak_value(ddtree_peak_t p) {
+#if DDTREE_DTYPE == DDTREE_DTYPE_BF16
+  return fmaxf(__uint_as_float(p << 16), __uint_as_float(p & 0xFFFF0000u));
+#else
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&p));
+  return fmaxf(f.x, f.y);
+#endif
+}
+
+__device__ __forceinline__ ddtree_peak_t ddtree_vector_peak(const uint4& v) {
+  return ddtree_peak_max(ddtree_peak_max(v.x, v.y), ddtree_peak_max(v.z, v.w));
+}
+#endif
+
+// The largest of N peaks (N a power of two) by a tree of pairwise maxima; t is overwritten.
 template <int N>
-__device__ __forceinline__ float ddtree_tree_max(float (&t)[N]) {
+__device__ __forceinline__ ddtree_peak_t ddtree_tree_peak(ddtree_peak_t (&t)[N]) {
   static_assert(N >= 1 && (N & (N - 1)) == 0, "pairwise trees need a power of two (UNROLL)");
 #pragma unroll
-  for (int k = 0; k < N / 2; ++k) t[k] = fmaxf(t[k], t[k + N / 2]);
+  for (int k = 0; k < N / 2; ++k) t[k] = ddtree_peak_max(t[k], t[k + N / 2]);
   if constexpr (N > 2) {
-    return ddtree_tree_max(reinterpret_cast<float(&)[N / 2]>(t));
+    return ddtree_tree_peak(reinterpret_cast<ddtree_peak_t(&)[N / 2]>(t));
   } else {
     return t[0];
   }
 }
 
-// The entries x of a raw vector scaled by 1/temperature (UNIT: temperature == 1) and their
-// largest non-NaN value by a tree of pairwise maxima: NaN when every entry is NaN, which no
-// comparison passes (callers that need an order key clamp it to -inf).
+// A peak's value scaled by 1/temperature (UNIT: temperature == 1): the largest scaled entry,
+// since the division by a positive temperature is monotone.
 template <bool UNIT>
-__device__ __forceinline__ float ddtree_scaled_vector(const uint4& v, float temperature,
-                                                      float (&x)[DDTREE_VEC]) {
+__device__ __forceinline__ float ddtree_scaled_peak(ddtree_peak_t p, float temperature) {
+  return UNIT ? ddtree_peak_value(p) : ddtree_peak_value(p) / temperature;
+}
+
+// The entries x of a raw vector scaled by 1/temperature (UNIT: temperature == 1).
+template <bool UNIT>
+__device__ __forceinline__ void ddtree_scale_vector(const uint4& v, float temperature,
+                                                    float (&x)[DDTREE_VEC]) {
   ddtree_unpack(v, x);
   if (!UNIT) {
 #pragma unroll
     for (int k = 0; k < DDTREE_VEC; ++k) x[k] /= temperature;
   }
-  float t[DDTREE_VEC];
-#pragma unroll
-  for (int k = 0; k < DDTREE_VEC; ++k) t[k] = x[k];
-  return ddtree_tree_max(t);
 }
 
 // Statistics of one vector, the careful way (any +inf, NaN or -inf): online max m, sum s of
@@ -377,7 +425,7 @@ __device__ __noinline__ int ddtree_expand_hits(const uint4* hit_vec, const int32
       v = hit_vec[base + lane];
       token0 = hit_token[base + lane];
       float x[DDTREE_VEC];
-      ddtree_scaled_vector<UNIT>(v, temperature, x);
+      ddtree_scale_vector<UNIT>(v, temperature, x);
 #pragma unroll
       for (int k = 0; k < DDTREE_VEC; ++k) bits |= (x[k] >= floor_value ? 1u : 0u) << k;
     }
@@ -432,8 +480,8 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
     uint32_t keys[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      float x[DDTREE_VEC];
-      const float vmax = fmaxf(-DDTREE_INF, ddtree_scaled_vector<UNIT>(cur[u], temperature, x));
+      const float vmax =
+          fmaxf(-DDTREE_INF, ddtree_scaled_peak<UNIT>(ddtree_vector_peak(cur[u]), temperature));
       keys[u] = ddtree_order_key(vmax + 0.0f);  // > 0: key 0 marks a retired vector
     }
     uint32_t top = 0;
@@ -457,7 +505,12 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
     __syncthreads();
     ddtree_raise_threshold(warp_bound, block_threshold, 0);
   }
-  int count = 0, nh = 0, step = 0;
+  int count = 0, nh = 0;
+  uint32_t step = 0;
+  // The steps after which the warp publishes its lane bound: 1, 2, 4, 8, ... (none when j >
+  // TOPK_BOUND_MAX_J). Step 1's lane maxima are a subset of the first-step vector maxima, so
+  // after the first-step bound their j-th largest cannot beat it: then from step 2.
+  uint32_t publish_at = j > TOPK_BOUND_MAX_J ? 0u : first_threshold ? 2u : 1u;
   // This lane's first vector of the next step (read only where the step is whole and the row
   // 16-byte aligned), advanced by each step.
   const uint4* next_vectors = reinterpret_cast<const uint4*>(src + begin + DDTREE_STRIDE) + lane;
@@ -488,24 +541,24 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
     // vector for a later warp-wide expansion (one predicated shared store instead of a
     // divergent loop).
     const float floor_value = ddtree_threshold_value(block_threshold);
-    float x[UNROLL][DDTREE_VEC], vmax[UNROLL];
-    float smax = -DDTREE_INF;
+    float x[UNROLL][DDTREE_VEC];
+    ddtree_peak_t peak[UNROLL], top[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      vmax[u] = ddtree_scaled_vector<UNIT>(now[u], temperature, x[u]);
-      smax = fmaxf(smax, vmax[u]);
+      ddtree_scale_vector<UNIT>(now[u], temperature, x[u]);
+      peak[u] = top[u] = ddtree_vector_peak(now[u]);
     }
+    const float smax =
+        fmaxf(-DDTREE_INF, ddtree_scaled_peak<UNIT>(ddtree_tree_peak(top), temperature));
     ddtree_step_stats(x, smax, m, s, infs);
-    ++step;
-    // Steps 1, 2, 4, 8, ...; step 1's lane maxima are a subset of the first-step vector maxima,
-    // so after the first-step bound their j-th largest cannot beat it.
-    if (j <= TOPK_BOUND_MAX_J && (step & (step - 1)) == 0 && (step > 1 || !first_threshold)) {
+    if (++step == publish_at) {
       ddtree_publish_lane_bound(m, j, warp_bound, block_threshold);
+      publish_at *= 2u;
     }
     if (__ballot_sync(DDTREE_FULL, smax >= floor_value) != 0u) {
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        const bool hit = vmax[u] >= floor_value;
+        const bool hit = ddtree_scaled_peak<UNIT>(peak[u], temperature) >= floor_value;
         const uint32_t ballot = __ballot_sync(DDTREE_FULL, hit);
         const int at = nh + __popc(ballot & ddtree_lanes_below());  // < DDTREE_HITS
         ddtree_store_shared_if(hit_vec + at, now[u], hit);
