@@ -1,4 +1,4 @@
-"""A/B of the build_tree kernels of two source trees on one GPU, in alternating processes.
+"""A/B of the build_tree kernels of two or more source trees on one GPU, in alternating processes.
 
 Each side is a copy of the ``ddtree`` package holding the kernel sources of a git revision, of
 another source tree (a directory holding ``proto/`` and ``kernels/``, such as an unpacked ``git
@@ -12,8 +12,9 @@ so that a change meant to keep the trees is checked bit for bit. Writes
 ``bench/results/<date>-<gpu>-ab-build-tree.json`` (or ``--out``): every process's rows, and per
 shape each side's median graph time and whether the trees agreed.
 
-Usage: ``python bench/ab_build_tree.py --base REV|DIR [--head REV|DIR] [--shapes B:K:SCALE,...]
-[--rounds N] [--out PATH]`` (``--head`` left out: the working tree).
+Usage: ``python bench/ab_build_tree.py --base REV|DIR [--head REV|DIR ...] [--shapes
+B:K:SCALE,...] [--rounds N] [--out PATH]`` (``--head`` left out: the working tree; given more
+than once, the heads are sides ``head1``, ``head2``, ... and each is compared with the base).
 """
 
 from __future__ import annotations
@@ -118,10 +119,49 @@ def _resolve(rev: str) -> str:
     ).stdout.strip()
 
 
+def head_sides(heads: list[str] | None) -> dict[str, str]:
+    """The head sides by name: ``head`` (the working tree when ``heads`` is empty, else the
+    one given), or ``head1``, ``head2``, ... for several."""
+    if not heads:
+        return {"head": "worktree"}
+    if len(heads) == 1:
+        return {"head": _resolve(heads[0])}
+    return {f"head{i}": _resolve(rev) for i, rev in enumerate(heads, 1)}
+
+
+def summarise(rows: list[dict], sides: list[str]) -> dict[str, dict]:
+    """Per shape: each side's median graph ms (``<side>_graph_ms``), each head's ratio to the
+    base (``<side>_over_base``), each side's median top-k launch in microseconds where the
+    profiler gave it (``<side>_topk_us``), and whether every process built the same trees."""
+    summary = {}
+    for shape in dict.fromkeys(row["shape"] for row in rows):
+        of_shape = [row for row in rows if row["shape"] == shape]
+        entry: dict = {}
+        for side in sides:
+            mine = [r for r in of_shape if r["side"] == side]
+            entry[f"{side}_graph_ms"] = statistics.median(r["graph_ms"] for r in mine)
+            topk = [
+                r["kernels_us"]["ddtree_build_topk"]
+                for r in mine
+                if isinstance(r["kernels_us"], dict) and "ddtree_build_topk" in r["kernels_us"]
+            ]
+            if topk:
+                entry[f"{side}_topk_us"] = statistics.median(topk)
+        for side in sides[1:]:
+            entry[f"{side}_over_base"] = round(
+                entry[f"{side}_graph_ms"] / entry["base_graph_ms"], 4
+            )
+        entry["trees_equal"] = len({r["trees_sha256"] for r in of_shape}) == 1
+        summary[shape] = entry
+    return summary
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", help="side A: a git revision or a source tree's directory")
-    parser.add_argument("--head", default=None, help="side B, as --base (default: worktree)")
+    parser.add_argument(
+        "--head", action="append", help="side B, as --base (default: worktree; repeatable)"
+    )
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
@@ -137,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("ab_build_tree: needs a CUDA GPU (torch reports none)")
-    sides = {"base": _resolve(args.base), "head": _resolve(args.head) if args.head else "worktree"}
+    sides = {"base": _resolve(args.base), **head_sides(args.head)}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ddtree-ab-") as tmp:
         root = Path(tmp)
@@ -166,17 +206,7 @@ def main(argv: list[str] | None = None) -> None:
                         row = json.loads(line)
                         rows.append({"side": side, "round": round_index, **row})
                         print(json.dumps(rows[-1]), flush=True)
-    summary = {}
-    for shape in dict.fromkeys(row["shape"] for row in rows):
-        of_shape = [row for row in rows if row["shape"] == shape]
-        base_ms = statistics.median(r["graph_ms"] for r in of_shape if r["side"] == "base")
-        head_ms = statistics.median(r["graph_ms"] for r in of_shape if r["side"] == "head")
-        summary[shape] = {
-            "base_graph_ms": base_ms,
-            "head_graph_ms": head_ms,
-            "head_over_base": round(head_ms / base_ms, 4),
-            "trees_equal": len({r["trees_sha256"] for r in of_shape}) == 1,
-        }
+    summary = summarise(rows, list(sides))
     gpu = rows[0]["gpu"] if rows else "unknown"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     slug = gpu.lower().replace("nvidia ", "").replace(" ", "-")

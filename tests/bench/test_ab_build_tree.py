@@ -49,3 +49,38 @@ def test_without_a_gpu_it_refuses_clearly() -> None:
     ab = load_bench("ab_build_tree")
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         ab.main(["--base", "HEAD", "--shapes", "1:16:3"])
+
+
+def test_several_heads_are_sides_of_their_own(tmp_path: Path) -> None:
+    ab = load_bench("ab_build_tree")
+    assert ab.head_sides(None) == {"head": "worktree"}
+    tree = str(tmp_path)
+    assert ab.head_sides([tree]) == {"head": tree}
+    assert list(ab.head_sides([tree, "HEAD"])) == ["head1", "head2"]
+
+
+def test_the_summary_compares_every_head_with_the_base() -> None:
+    ab = load_bench("ab_build_tree")
+
+    def row(side: str, graph_ms: float, topk_us: float, sha: str = "same") -> dict:
+        kernels = {"ddtree_build_topk": topk_us, "ddtree_build_select": 9.0}
+        return {
+            "side": side,
+            "shape": "32:64:3",
+            "graph_ms": graph_ms,
+            "kernels_us": kernels,
+            "trees_sha256": sha,
+        }
+
+    rows = [
+        row("base", 0.10, 66.0),
+        row("base", 0.12, 68.0),
+        row("head1", 0.09, 64.0),
+        row("head2", 0.11, 70.0),
+    ]
+    summary = ab.summarise(rows, ["base", "head1", "head2"])["32:64:3"]
+    assert summary["base_graph_ms"] == 0.11 and summary["base_topk_us"] == 67.0
+    assert summary["head1_over_base"] == round(0.09 / 0.11, 4)
+    assert summary["head2_topk_us"] == 70.0 and summary["trees_equal"]
+    rows.append(row("head2", 0.11, 70.0, sha="other"))
+    assert not ab.summarise(rows, ["base", "head1", "head2"])["32:64:3"]["trees_equal"]
