@@ -42,6 +42,13 @@
 // Node ids across both tables: taken nodes (at most DDTREE_REG_MAX_NODES) below, listed node j
 // at DDTREE_BULK_LISTED + j.
 #define DDTREE_BULK_LISTED 128
+// A rise of t selects the want-th best (want <= 96, below DDTREE_REG_MAX_NODES) of more than
+// DDTREE_BULK_CAP keys, and node ids of both tables fit in int16.
+static_assert(DDTREE_BULK_CAP >= DDTREE_REG_MAX_NODES && DDTREE_BULK_KEYS > DDTREE_BULK_CAP,
+              "the bulk store must hold more nodes than the register select pops");
+static_assert(DDTREE_BULK_LISTED >= DDTREE_REG_MAX_NODES &&
+                  DDTREE_BULK_LISTED + DDTREE_BULK_CAP <= 32767,
+              "taken and listed node ids must not overlap and must fit in int16");
 
 // The listed nodes (score, key, packed rank tuple, parent id, rank, depth; `listed` of them), a
 // level's child offsets (off), the listed nodes' ranks or new indices (pos), the keys a rise of t
@@ -158,8 +165,8 @@ __device__ __noinline__ int ddtree_select_bulk_list(int popped, int budget, int 
     int m = offsets(level);
     while (listed + m > DDTREE_BULK_CAP) {
       // Raise t to the want-th best of the listed nodes and the level's first candidates.
+      // n > DDTREE_BULK_CAP >= want: the keys hold the want-th best (static_assert above).
       const int n = listed + min(m, DDTREE_BULK_KEYS - listed);
-      if (n < want) return -1;
       for (int i = lane; i < n; i += 32) {
         uint32_t key;
         if (i < listed) {
