@@ -277,9 +277,21 @@ def test_build_tree_bulk_select_matches_the_serial_select(
         assert_same_tree(build(bulk_after), serial)
 
 
-@pytest.mark.parametrize("vocab_size", [64, 3000])
-def test_build_tree_non_finite_rows(vocab_size: int) -> None:
-    logits = poison_rows(draft_logits(6, 5, vocab_size, seed=3), seed=4).cuda()
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("vocab_size", [64, 3000, 20000])
+def test_build_tree_non_finite_rows(vocab_size: int, dtype: str) -> None:
+    """Rows of NaN, infinities, subnormals and signed zeros. For 16-bit logits the top-k takes
+    a step's maxima from the raw packed pairs (max.bf16x2 / max.f16x2), which must read every
+    such value as fmaxf over the widened entries would."""
+    logits = poison_rows(draft_logits(6, 5, vocab_size, seed=3), seed=4)
+    tiny = torch.finfo(_DTYPES[dtype]).smallest_normal / 4  # subnormal in the logits' dtype
+    gen = torch.Generator().manual_seed(vocab_size)
+    values = torch.tensor([0.0, -0.0, tiny, -tiny, 3 * tiny])
+    # A row of nothing but subnormals and zeros, and a row with a tenth of its entries so.
+    logits[5, 4] = values[torch.randint(0, 5, (vocab_size,), generator=gen)]
+    some = torch.randperm(vocab_size, generator=gen)[: max(1, vocab_size // 10)]
+    logits[4, 0, some] = values[torch.randint(0, 5, (some.numel(),), generator=gen)]
+    logits = logits.to(_DTYPES[dtype]).cuda()
     roots = torch.arange(6, device="cuda")
     expected = reference.build_tree(logits, roots, 64)
     _poison_allocator()
