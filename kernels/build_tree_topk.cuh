@@ -542,14 +542,14 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
     // divergent loop).
     const float floor_value = ddtree_threshold_value(block_threshold);
     float x[UNROLL][DDTREE_VEC];
-    ddtree_peak_t peak[UNROLL], top[UNROLL];
+    ddtree_peak_t peak[UNROLL], tree[UNROLL];  // tree: overwritten by ddtree_tree_peak
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       ddtree_scale_vector<UNIT>(now[u], temperature, x[u]);
-      peak[u] = top[u] = ddtree_vector_peak(now[u]);
+      peak[u] = tree[u] = ddtree_vector_peak(now[u]);
     }
     const float smax =
-        fmaxf(-DDTREE_INF, ddtree_scaled_peak<UNIT>(ddtree_tree_peak(top), temperature));
+        fmaxf(-DDTREE_INF, ddtree_scaled_peak<UNIT>(ddtree_tree_peak(tree), temperature));
     ddtree_step_stats(x, smax, m, s, infs);
     if (++step == publish_at) {
       ddtree_publish_lane_bound(m, j, warp_bound, block_threshold);
