@@ -59,27 +59,31 @@ __device__ __forceinline__ float ddtree_vector_element(const uint4& v, int k) {
 #endif
 }
 
-// All VEC elements of a raw 16-byte vector of logits, widened to fp32 (bf16: a shift or a mask
-// per element).
+#if DDTREE_DTYPE != DDTREE_DTYPE_F32
+// The two 16-bit logits packed in a word (low half first), widened to fp32 (bf16: a shift or a
+// mask each).
+__device__ __forceinline__ float2 ddtree_widen_pair(uint32_t w) {
+#if DDTREE_DTYPE == DDTREE_DTYPE_BF16
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+#else
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+#endif
+}
+#endif
+
+// All VEC elements of a raw 16-byte vector of logits, widened to fp32.
 __device__ __forceinline__ void ddtree_unpack(const uint4& v, float (&x)[DDTREE_VEC]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
 #if DDTREE_DTYPE == DDTREE_DTYPE_F32
-#pragma unroll
-  for (int k = 0; k < 4; ++k) x[k] = __uint_as_float(w[k]);
-#elif DDTREE_DTYPE == DDTREE_DTYPE_BF16
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    x[2 * k] = __uint_as_float(w[k] << 16);
-    x[2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
-  }
+    x[k] = __uint_as_float(w[k]);
 #else
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+    const float2 f = ddtree_widen_pair(w[k]);
     x[2 * k] = f.x;
     x[2 * k + 1] = f.y;
-  }
 #endif
+  }
 }
 
 // 2^x with subnormal results flushed to 0 (one MUFU.EX2, none of exp2f's subnormal fix-up):
@@ -138,12 +142,8 @@ __device__ __forceinline__ ddtree_peak_t ddtree_peak_max(ddtree_peak_t a, ddtree
 }
 
 __device__ __forceinline__ float ddtree_peak_value(ddtree_peak_t p) {
-#if DDTREE_DTYPE == DDTREE_DTYPE_BF16
-  return fmaxf(__uint_as_float(p << 16), __uint_as_float(p & 0xFFFF0000u));
-#else
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&p));
+  const float2 f = ddtree_widen_pair(p);
   return fmaxf(f.x, f.y);
-#endif
 }
 
 __device__ __forceinline__ ddtree_peak_t ddtree_vector_peak(const uint4& v) {
