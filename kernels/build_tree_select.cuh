@@ -81,6 +81,61 @@ __device__ __forceinline__ bool ddtree_cand_better(uint32_t ka, uint64_t la, uin
   return ddtree_slot_lex_less(ia, ib, parent, rank);
 }
 
+// One thread per node row: its token, parent, depth and log-prob, and its ancestor-or-self bits
+// (`words` <= WORDS 64-bit words), walking to the root (at most 33 steps) while the token's load
+// is in flight. Where WORDS is 2 the bits stay in registers (a word picked by compare, not by
+// index, which would put the array in local memory).
+template <int WORDS>
+__device__ __forceinline__ void ddtree_select_write_rows(
+    int count, int64_t b, int64_t root, const int32_t* __restrict__ topk_tok, int draft_len,
+    int top_k, int num_nodes_max, int words, const int16_t* node_parent, const int16_t* node_rank,
+    const int8_t* node_depth, const float* node_score, int64_t* __restrict__ tokens,
+    int32_t* __restrict__ parents, int32_t* __restrict__ depths, float* __restrict__ log_probs,
+    int64_t* __restrict__ mask) {
+  const int64_t base = b * (int64_t)num_nodes_max;
+  for (int i = threadIdx.x; i < num_nodes_max; i += blockDim.x) {
+    int64_t token = -1;
+    int parent = -1, depth = -1;
+    float score = -DDTREE_INF;
+    if (i == 0) {
+      token = root;
+      depth = 0;
+      score = 0.0f;
+    } else if (i < count) {
+      depth = node_depth[i];
+      token = topk_tok[(b * draft_len + depth - 1) * (int64_t)top_k + node_rank[i]];
+      parent = node_parent[i];
+      score = node_score[i];
+    }
+    uint64_t acc[WORDS];
+    for (int w = 0; w < (WORDS <= 2 ? WORDS : words); ++w) acc[w] = 0;
+    if (i < count) {
+      for (int j = i; j >= 0; j = node_parent[j]) {
+        const uint64_t bit = 1ull << (j & 63);
+        if (WORDS <= 2) {
+#pragma unroll
+          for (int w = 0; w < WORDS; ++w) acc[w] |= (j >> 6) == w ? bit : 0ull;
+        } else {
+          acc[j >> 6] |= bit;
+        }
+      }
+    }
+    int64_t* out = mask + (base + i) * words;
+    if (WORDS <= 2) {
+#pragma unroll
+      for (int w = 0; w < WORDS; ++w) {
+        if (w < words) out[w] = (int64_t)acc[w];
+      }
+    } else {
+      for (int w = 0; w < words; ++w) out[w] = (int64_t)acc[w];
+    }
+    tokens[base + i] = token;
+    parents[base + i] = parent;
+    depths[base + i] = depth;
+    log_probs[base + i] = score;
+  }
+}
+
 // Writes one request's tree from its popped nodes (node 0 the root; `count` nodes) with every
 // thread of the block: tokens, parents, depths, log-probs, sentinels past `count`, num_nodes and
 // the ancestor-or-self masks.
@@ -92,37 +147,15 @@ __device__ void ddtree_select_write(int count, int64_t b, int64_t root,
                                     int64_t* __restrict__ tokens, int32_t* __restrict__ parents,
                                     int32_t* __restrict__ depths, float* __restrict__ log_probs,
                                     int32_t* __restrict__ num_nodes, int64_t* __restrict__ mask) {
-  const int tid = threadIdx.x;
-  const int64_t base = b * (int64_t)num_nodes_max;
-  for (int i = tid; i < num_nodes_max; i += blockDim.x) {
-    if (i == 0) {
-      tokens[base] = root;
-      parents[base] = -1;
-      depths[base] = 0;
-      log_probs[base] = 0.0f;
-    } else if (i < count) {
-      const int d = node_depth[i];
-      tokens[base + i] = topk_tok[(b * draft_len + d - 1) * (int64_t)top_k + node_rank[i]];
-      parents[base + i] = node_parent[i];
-      depths[base + i] = d;
-      log_probs[base + i] = node_score[i];
-    } else {
-      tokens[base + i] = -1;
-      parents[base + i] = -1;
-      depths[base + i] = -1;
-      log_probs[base + i] = -DDTREE_INF;
-    }
-  }
-  if (tid == 0) num_nodes[b] = count;
-  // Ancestor-or-self bits: one thread per node row, walking to the root (at most 33 steps).
-  for (int i = tid; i < num_nodes_max; i += blockDim.x) {
-    int64_t* out = mask + (base + i) * words;
-    uint64_t acc[(DDTREE_MAX_NODES + 63) / 64];
-    for (int w = 0; w < words; ++w) acc[w] = 0;
-    if (i < count) {
-      for (int j = i; j >= 0; j = node_parent[j]) acc[j >> 6] |= 1ull << (j & 63);
-    }
-    for (int w = 0; w < words; ++w) out[w] = (int64_t)acc[w];
+  if (threadIdx.x == 0) num_nodes[b] = count;
+  if (words <= 2) {
+    ddtree_select_write_rows<2>(count, b, root, topk_tok, draft_len, top_k, num_nodes_max,
+                                words, node_parent, node_rank, node_depth, node_score, tokens,
+                                parents, depths, log_probs, mask);
+  } else {
+    ddtree_select_write_rows<(DDTREE_MAX_NODES + 63) / 64>(
+        count, b, root, topk_tok, draft_len, top_k, num_nodes_max, words, node_parent, node_rank,
+        node_depth, node_score, tokens, parents, depths, log_probs, mask);
   }
 }
 

@@ -46,6 +46,8 @@ _CASES = [
     f"{_TREE}::test_build_tree_wide_select_matches_the_serial_select[3000-ties]",
     f"{_TREE}::test_build_tree_bulk_select_matches_the_serial_select[3000-16-ties]",
     f"{_TREE}::test_build_tree_non_finite_rows[64-f32]",
+    f"{_TREE}::test_build_tree_non_finite_rows[3000-bf16]",
+    f"{_TREE}::test_build_tree_non_finite_rows[64-f16]",
     f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[3-1024-dtype1-12-0]",
     f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[2-64-dtype2-12-0]",
     f"{_TREE}::test_build_tree_exact_ties_follow_rank_tuple_order[2-64-dtype4-32-20]",
