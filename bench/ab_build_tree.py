@@ -8,13 +8,17 @@ so that drift within a machine session hits both alike. Per shape (batch, budget
 draft_len 16, vocab 163,840, bf16 ``randn * scale`` rotated over at least 240 MB of buffers,
 seeded by the shape), each process reports the op's device time in a replayed CUDA graph and per
 kernel (``sweep_build_tree.measure_build``) and a sha256 of the trees of the first four buffers,
-so that a change meant to keep the trees is checked bit for bit. Writes
+so that a change meant to keep the trees is checked bit for bit; with ``--reference``, also
+how the tree of the first buffer agrees with the reference op's (``reference_agreement`` of
+bench_tree.py: the same order, or the same sorted log-probs within 1e-5), for changes that move
+the trees' last bits (a launch geometry splits the row sums). Writes
 ``bench/results/<date>-<gpu>-ab-build-tree.json`` (or ``--out``): every process's rows, and per
 shape each side's median graph time and whether the trees agreed.
 
 Usage: ``python bench/ab_build_tree.py --base REV|DIR [--head REV|DIR ...] [--shapes
-B:K:SCALE,...] [--rounds N] [--out PATH]`` (``--head`` left out: the working tree; given more
-than once, the heads are sides ``head1``, ``head2``, ... and each is compared with the base).
+B:K:SCALE,...] [--rounds N] [--reference] [--out PATH]`` (``--head`` left out: the working
+tree; given more than once, the heads are sides ``head1``, ``head2``, ... and each is compared
+with the base).
 """
 
 from __future__ import annotations
@@ -77,13 +81,13 @@ def package_copy(rev: str | None, dest: Path) -> Path:
     return dest
 
 
-def _measure(shapes: list[tuple[int, int, float]]) -> None:
+def _measure(shapes: list[tuple[int, int, float]], check_reference: bool) -> None:
     """Child process: one row per shape on stdout (JSON lines)."""
     import torch
-    from bench_tree import DRAFT_LEN, VOCAB, bf16_logits
+    from bench_tree import DRAFT_LEN, VOCAB, bf16_logits, reference_agreement
     from sweep_build_tree import measure_build
 
-    from ddtree.kernels import tree_cuda
+    from ddtree.kernels import reference, tree_cuda
     from ddtree.kernels.types import TREE_FIELDS
 
     # The side's copy, not an installed ddtree, must be the one measured.
@@ -95,12 +99,16 @@ def _measure(shapes: list[tuple[int, int, float]]) -> None:
         buffers = bf16_logits(batch, count, scale=scale, seed=1000 * batch + budget)
         roots = torch.zeros(batch, dtype=torch.int64, device="cuda")
         digest = hashlib.sha256()
-        for logits in buffers[:4]:
-            tree = tree_cuda.build_tree(logits, roots, budget)
+        trees = [tree_cuda.build_tree(logits, roots, budget) for logits in buffers[:4]]
+        for tree in trees:
             for field in TREE_FIELDS:
                 digest.update(getattr(tree, field).cpu().numpy().tobytes())
         row = {"shape": f"{batch}:{budget}:{scale:g}", **measure_build(batch, budget, buffers)}
         row["trees_sha256"] = digest.hexdigest()[:16]
+        if check_reference:
+            ref = reference.build_tree(buffers[0], roots, budget)
+            row["reference"] = reference_agreement(trees[0], ref)
+        del trees
         row["gpu"] = torch.cuda.get_device_name()
         print(json.dumps(row), flush=True)
         del buffers
@@ -132,7 +140,10 @@ def head_sides(heads: list[str] | None) -> dict[str, str]:
 def summarise(rows: list[dict], sides: list[str]) -> dict[str, dict]:
     """Per shape: each side's median graph ms (``<side>_graph_ms``), each head's ratio to the
     base (``<side>_over_base``), each side's median top-k launch in microseconds where the
-    profiler gave it (``<side>_topk_us``), and whether every process built the same trees."""
+    profiler gave it (``<side>_topk_us``), whether every process built the same trees, and,
+    where the rows were checked against the reference, each side's agreement with it
+    (``<side>_reference``: ``exact`` in every process, else ``same_scores``, else
+    ``differs``)."""
     summary = {}
     for shape in dict.fromkeys(row["shape"] for row in rows):
         of_shape = [row for row in rows if row["shape"] == shape]
@@ -147,6 +158,15 @@ def summarise(rows: list[dict], sides: list[str]) -> dict[str, dict]:
             ]
             if topk:
                 entry[f"{side}_topk_us"] = statistics.median(topk)
+            checks = [r["reference"] for r in mine if "reference" in r]
+            if checks:
+                entry[f"{side}_reference"] = (
+                    "exact"
+                    if all(c["exact_order"] for c in checks)
+                    else "same_scores"
+                    if all(c["same_sorted_log_probs"] for c in checks)
+                    else "differs"
+                )
         for side in sides[1:]:
             entry[f"{side}_over_base"] = round(
                 entry[f"{side}_graph_ms"] / entry["base_graph_ms"], 4
@@ -164,12 +184,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also compare each process's first tree with the reference op's",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     if args.measure:
-        _measure(shapes)
+        _measure(shapes, args.reference)
         return
     if args.base is None:
         parser.error("--base is required")
@@ -193,7 +218,14 @@ def main(argv: list[str] | None = None) -> None:
                     DDTREE_CACHE_DIR=str(root / f"cache-{side}"),
                 )
                 result = subprocess.run(
-                    [sys.executable, __file__, "--measure", "--shapes", args.shapes],
+                    [
+                        sys.executable,
+                        __file__,
+                        "--measure",
+                        "--shapes",
+                        args.shapes,
+                        *(["--reference"] if args.reference else []),
+                    ],
                     env=env,
                     capture_output=True,
                     text=True,

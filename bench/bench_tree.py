@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ddtree.kernels import reference, tree_cuda
+from ddtree.kernels.types import Tree
 
 VOCAB = 163840
 DRAFT_LEN = 16
@@ -301,20 +302,26 @@ def main() -> None:
 
 
 def _check_against_reference() -> dict:
-    """How the benchmarked kernels agree with the reference on one benchmark-sized input.
+    """How the benchmarked kernels agree with the reference on one benchmark-sized input (see
+    ``reference_agreement``)."""
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    logits = (torch.randn(32, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * 3).to(
+        torch.bfloat16
+    )
+    roots = torch.zeros(32, dtype=torch.int64, device="cuda")
+    return reference_agreement(
+        tree_cuda.build_tree(logits, roots, 64), reference.build_tree(logits, roots, 64)
+    )
+
+
+def reference_agreement(ours: Tree, ref: Tree) -> dict:
+    """How a tree built by the kernels agrees with the reference's tree of the same inputs.
 
     ``exact_order``: identical tokens and parents. bf16 logits tie massively (many tokens share
     a logit), and a last-bit difference of a row's log-sum-exp may then reorder equal-score
     nodes, so the second check is the contract's: the same sorted node log-probabilities
     within 1e-5 (a tree of the same total probability).
     """
-    gen = torch.Generator(device="cuda").manual_seed(99)
-    logits = (torch.randn(32, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * 3).to(
-        torch.bfloat16
-    )
-    roots = torch.zeros(32, dtype=torch.int64, device="cuda")
-    ours = tree_cuda.build_tree(logits, roots, 64)
-    ref = reference.build_tree(logits, roots, 64)
     got = ours.log_probs.sort(dim=1, descending=True).values
     want = ref.log_probs.sort(dim=1, descending=True).values
     finite = torch.isfinite(want)

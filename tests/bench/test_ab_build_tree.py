@@ -84,3 +84,55 @@ def test_the_summary_compares_every_head_with_the_base() -> None:
     assert summary["head2_topk_us"] == 70.0 and summary["trees_equal"]
     rows.append(row("head2", 0.11, 70.0, sha="other"))
     assert not ab.summarise(rows, ["base", "head1", "head2"])["32:64:3"]["trees_equal"]
+
+
+def test_the_summary_names_each_sides_agreement_with_the_reference() -> None:
+    ab = load_bench("ab_build_tree")
+
+    def row(side: str, exact: bool, same: bool) -> dict:
+        return {
+            "side": side,
+            "shape": "32:16:3",
+            "graph_ms": 0.07,
+            "kernels_us": {},
+            "trees_sha256": side,
+            "reference": {"exact_order": exact, "same_sorted_log_probs": same},
+        }
+
+    rows = [
+        row("base", True, True),
+        row("base", True, True),
+        row("head1", True, True),
+        row("head1", False, True),
+        row("head2", False, True),
+        row("head2", False, False),
+    ]
+    summary = ab.summarise(rows, ["base", "head1", "head2"])["32:16:3"]
+    assert summary["base_reference"] == "exact"
+    assert summary["head1_reference"] == "same_scores"
+    assert summary["head2_reference"] == "differs"
+    assert not summary["trees_equal"]
+    # Rows measured without --reference name no agreement.
+    plain = [{k: v for k, v in r.items() if k != "reference"} for r in rows]
+    assert "base_reference" not in ab.summarise(plain, ["base", "head1", "head2"])["32:16:3"]
+
+
+def test_reference_agreement_tells_order_from_scores() -> None:
+    """The check that --reference runs in each process (bench_tree.reference_agreement), on
+    reference trees built on the CPU."""
+    from ddtree.kernels import reference
+
+    agreement = load_bench("bench_tree").reference_agreement
+    logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(5))
+    roots = torch.zeros(2, dtype=torch.int64)
+    tree = reference.build_tree(logits, roots, 7)
+    assert agreement(tree, tree) == {"exact_order": True, "same_sorted_log_probs": True}
+    # The same nodes in another order: the scores agree, the order does not.
+    swapped = reference.build_tree(logits, roots, 7)
+    swapped.tokens[:, [1, 2]] = swapped.tokens[:, [2, 1]]
+    swapped.log_probs[:, [1, 2]] = swapped.log_probs[:, [2, 1]]
+    assert agreement(swapped, tree) == {"exact_order": False, "same_sorted_log_probs": True}
+    # A score off by more than 1e-5 (relative and absolute).
+    moved = reference.build_tree(logits, roots, 7)
+    moved.log_probs[0, 3] -= 1e-3
+    assert agreement(moved, tree)["same_sorted_log_probs"] is False
