@@ -304,10 +304,7 @@ def main() -> None:
 def _check_against_reference() -> dict:
     """How the benchmarked kernels agree with the reference on one benchmark-sized input (see
     ``reference_agreement``)."""
-    gen = torch.Generator(device="cuda").manual_seed(99)
-    logits = (torch.randn(32, DRAFT_LEN, VOCAB, device="cuda", generator=gen) * 3).to(
-        torch.bfloat16
-    )
+    logits = bf16_logits(32, 1, seed=99)[0]
     roots = torch.zeros(32, dtype=torch.int64, device="cuda")
     return reference_agreement(
         tree_cuda.build_tree(logits, roots, 64), reference.build_tree(logits, roots, 64)
