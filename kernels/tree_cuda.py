@@ -50,6 +50,9 @@ _TOPK_BOUND_MAX_J = 16
 lanes' running maxima while it streams (``TOPK_BOUND_MAX_J``)."""
 _TOPK_MIN_SHRINK = 512
 """A warp shrinks its candidate buffer once it holds more than ``max(2 * top_k, 512)``."""
+_FOUR_WARP_ONE_WAVE_MAX_TOP_K = 16
+"""Largest top_k at which rows that need two waves of eight-warp top-k blocks and fit one of
+four-warp blocks take the four-warp blocks (``_four_warps_faster``)."""
 _MERGE_THREADS = 256
 """Threads of a ``ddtree_build_merge`` block (``MERGE_THREADS``, its most) ..."""
 _MERGE_THREADS_SMALL = 64
@@ -323,13 +326,18 @@ def _four_warps_faster(
       fill theirs (four-warp blocks take twice as long per row), at budgets where halving the
       warps keeps ``j = ceil(top_k / warps)`` on the same side of ``TOPK_BOUND_MAX_J`` (the
       warps' running lane bounds): B 64-128, K 16-64 and 256-512, 0.80-0.96x the time; K
-      96-128 would be 1.10x, B 48 (1.45 waves of four-warp blocks) 1.06-1.33x.
+      96-128 would be 1.10x, B 48 (1.45 waves of four-warp blocks) 1.06-1.33x;
+    * rows that one wave of four-warp blocks holds and eight-warp blocks need two waves for,
+      at top_k up to ``_FOUR_WARP_ONE_WAVE_MAX_TOP_K`` (docs/kernels.md, session 30).
     """
     blocks8 = min(min_blocks, _blocks_fitting(8 * warp_smem, max_smem_bytes))
     blocks4 = min(2 * min_blocks, _blocks_fitting(4 * warp_smem, max_smem_bytes))
     slots4 = num_sms * blocks4
     if blocks8 < min_blocks <= blocks4:
         return slots4 < 2 * rows  # the rows are not split
+    one_wave = blocks4 == 2 * blocks8 and num_sms * blocks8 < rows <= slots4
+    if one_wave and top_k <= _FOUR_WARP_ONE_WAVE_MAX_TOP_K:
+        return True
     waves8 = -(-rows // (num_sms * blocks8))
     even = blocks4 == 2 * blocks8 and rows >= slots4 and 2 * -(-rows // slots4) <= waves8
     bound = _TOPK_BOUND_MAX_J

@@ -246,6 +246,16 @@ def test_build_tree_plan_takes_four_warp_topk_blocks_where_they_were_faster() ->
         (4, 4),
     ]
     assert geometry(48, 64)[:2] == geometry(32, 64)[:2] == (8, 2)
+    # Budgets up to 16: rows that one wave of four-warp blocks holds (528 slots) and eight-warp
+    # blocks need two waves for (264 slots), unsplit; fewer rows keep eight warps.
+    assert [geometry(b, 16) for b in (16, 17, 24, 32, 33)] == [
+        (8, 2, 1),
+        (4, 4, 1),
+        (4, 4, 1),
+        (4, 4, 1),
+        (4, 4, 1),
+    ]
+    assert [geometry(32, k)[:2] for k in (8, 16, 17, 32)] == [(4, 4), (4, 4), (8, 2), (8, 2)]
     # Where fewer warps are taken for room (sm_120), the register cap stays.
     sm120 = 63 * 1024
     assert [geometry(32, k, sm120)[:2] for k in (64, 1024)] == [(4, 2), (2, 2)]

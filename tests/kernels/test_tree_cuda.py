@@ -85,6 +85,10 @@ _BUILD_CASES = [
     (4, 32, 5000, 512, "bf16", "random"),
     (2, 8, 163840, 1024, "bf16", "random"),
     (8, 16, 163840, 64, "bf16", "random"),
+    # Rows that fill one wave of four-warp top-k blocks and two of eight-warp ones (the H200's
+    # plan at budgets up to 16, tree_cuda._four_warps_faster).
+    (32, 16, 163840, 16, "bf16", "random"),
+    (20, 16, 163840, 9, "f16", "random"),
     (3, 5, 100, 1024, "f32", "random"),
     (4, 6, 2000, 65, "f32", "ties"),
     (4, 6, 2000, 65, "f32", "flat"),
