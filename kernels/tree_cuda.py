@@ -328,7 +328,9 @@ def _four_warps_faster(
       warps' running lane bounds): B 64-128, K 16-64 and 256-512, 0.80-0.96x the time; K
       96-128 would be 1.10x, B 48 (1.45 waves of four-warp blocks) 1.06-1.33x;
     * rows that one wave of four-warp blocks holds and eight-warp blocks need two waves for,
-      at top_k up to ``_FOUR_WARP_ONE_WAVE_MAX_TOP_K`` (docs/kernels.md, session 30).
+      at top_k up to ``_FOUR_WARP_ONE_WAVE_MAX_TOP_K`` (docs/kernels.md, session 30): B 32 and
+      24, K 16, 0.97x and 0.92x the time; K 32 changed by less than the spread between
+      processes, K 64 took 1.02x and K 96 1.12x (session 29).
     """
     blocks8 = min(min_blocks, _blocks_fitting(8 * warp_smem, max_smem_bytes))
     blocks4 = min(2 * min_blocks, _blocks_fitting(4 * warp_smem, max_smem_bytes))
