@@ -12,13 +12,14 @@ so that a change meant to keep the trees is checked bit for bit; with ``--refere
 how the tree of the first buffer agrees with the reference op's (``reference_agreement`` of
 bench_tree.py: the same order, or the same sorted log-probs within 1e-5), for changes that move
 the trees' last bits (a launch geometry splits the row sums). Writes
-``bench/results/<date>-<gpu>-ab-build-tree.json`` (or ``--out``): every process's rows, and per
-shape each side's median graph time and whether the trees agreed.
+``bench/results/<date>-<gpu>-ab-build-tree.json`` (or ``--out``; rewritten after every process,
+so that a run cut short keeps what it measured): every process's rows, ``--note`` (what the sides
+are), and per shape each side's median graph time and whether the trees agreed.
 
 Usage: ``python bench/ab_build_tree.py --base REV|DIR [--head REV|DIR ...] [--shapes
-B:K:SCALE,...] [--rounds N] [--reference] [--out PATH]`` (``--head`` left out: the working
-tree; given more than once, the heads are sides ``head1``, ``head2``, ... and each is compared
-with the base).
+B:K:SCALE,...] [--rounds N] [--reference] [--note TEXT] [--out PATH]`` (``--head`` left out: the
+working tree; given more than once, the heads are sides ``head1``, ``head2``, ... and each is
+compared with the base).
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def summarise(rows: list[dict], sides: list[str]) -> dict[str, dict]:
         entry: dict = {}
         for side in sides:
             mine = [r for r in of_shape if r["side"] == side]
+            if not mine:
+                continue  # not measured yet: the run was cut short
             entry[f"{side}_graph_ms"] = statistics.median(r["graph_ms"] for r in mine)
             topk = [
                 r["kernels_us"]["ddtree_build_topk"]
@@ -168,11 +171,31 @@ def summarise(rows: list[dict], sides: list[str]) -> dict[str, dict]:
                     else "differs"
                 )
         for side in sides[1:]:
-            entry[f"{side}_over_base"] = round(
-                entry[f"{side}_graph_ms"] / entry["base_graph_ms"], 4
-            )
+            if f"{side}_graph_ms" in entry and "base_graph_ms" in entry:
+                entry[f"{side}_over_base"] = round(
+                    entry[f"{side}_graph_ms"] / entry["base_graph_ms"], 4
+                )
         entry["trees_equal"] = len({r["trees_sha256"] for r in of_shape}) == 1
         summary[shape] = entry
+    return summary
+
+
+def write_report(out: Path, sides: dict[str, str], rows: list[dict], note: str | None) -> dict:
+    """Writes the report of the rows measured so far to ``out`` (date, gpu, sides, note, summary,
+    rows) and returns its summary. The A/B rewrites it after every process, so that a run cut
+    short (a device call's time limit) keeps what it measured."""
+    summary = summarise(rows, list(sides))
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    report = {
+        "date": date,
+        "gpu": rows[0]["gpu"] if rows else "unknown",
+        "sides": sides,
+        **({"note": note} if note else {}),
+        "summary": summary,
+        "rows": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
     return summary
 
 
@@ -190,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         help="also compare each process's first tree with the reference op's",
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--note", help="what the sides are, kept in the report")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shapes = parse_shapes(args.shapes)
@@ -203,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("ab_build_tree: needs a CUDA GPU (torch reports none)")
     sides = {"base": _resolve(args.base), **head_sides(args.head)}
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    slug = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
+    out = args.out or REPO / "bench" / "results" / f"{date}-{slug}-ab-build-tree.json"
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="ddtree-ab-") as tmp:
         root = Path(tmp)
@@ -238,15 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                         row = json.loads(line)
                         rows.append({"side": side, "round": round_index, **row})
                         print(json.dumps(rows[-1]), flush=True)
-    summary = summarise(rows, list(sides))
-    gpu = rows[0]["gpu"] if rows else "unknown"
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    slug = gpu.lower().replace("nvidia ", "").replace(" ", "-")
-    out = args.out or REPO / "bench" / "results" / f"{date}-{slug}-ab-build-tree.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"date": date, "gpu": gpu, "sides": sides, "summary": summary, "rows": rows}
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(summary, indent=1))
+                write_report(out, sides, rows, args.note)
+    print(json.dumps(write_report(out, sides, rows, args.note), indent=1))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ The measurement itself needs a GPU; on the CPU the tool must refuse clearly.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -115,6 +116,37 @@ def test_the_summary_names_each_sides_agreement_with_the_reference() -> None:
     # Rows measured without --reference name no agreement.
     plain = [{k: v for k, v in r.items() if k != "reference"} for r in rows]
     assert "base_reference" not in ab.summarise(plain, ["base", "head1", "head2"])["32:16:3"]
+
+
+def test_a_report_cut_short_keeps_what_was_measured(tmp_path: Path) -> None:
+    """The A/B rewrites its report after every process: with the heads of a shape not measured
+    yet (a device call's time limit) the report holds the rows so far, the base's median, no
+    ratio, and the note."""
+    ab = load_bench("ab_build_tree")
+    sides = {"base": "HEAD", "head1": "dir1", "head2": "dir2"}
+    rows = [
+        {
+            "side": side,
+            "round": 0,
+            "shape": shape,
+            "graph_ms": 0.08,
+            "kernels_us": {"ddtree_build_topk": 66.0},
+            "trees_sha256": "same",
+            "gpu": "NVIDIA H200",
+        }
+        for shape, side in [("32:64:3", "base"), ("32:64:3", "head1"), ("32:16:3", "base")]
+    ]
+    out = tmp_path / "ab.json"
+    summary = ab.write_report(out, sides, rows, "head1: the plan change")
+    report = json.loads(out.read_text())
+    assert report["summary"] == summary and report["rows"] == rows
+    assert report["note"] == "head1: the plan change" and report["gpu"] == "NVIDIA H200"
+    assert summary["32:64:3"]["head1_over_base"] == 1.0
+    assert "head2_graph_ms" not in summary["32:64:3"]
+    assert "head2_over_base" not in summary["32:64:3"]
+    assert list(summary["32:16:3"]) == ["base_graph_ms", "base_topk_us", "trees_equal"]
+    assert ab.write_report(out, sides, [], None) == {}  # before the first process: no note
+    assert "note" not in json.loads(out.read_text())
 
 
 def test_reference_agreement_tells_order_from_scores() -> None:
