@@ -180,12 +180,13 @@ def summarise(rows: list[dict], sides: list[str]) -> dict[str, dict]:
     return summary
 
 
-def write_report(out: Path, sides: dict[str, str], rows: list[dict], note: str | None) -> dict:
+def write_report(
+    out: Path, date: str, sides: dict[str, str], rows: list[dict], note: str | None
+) -> dict:
     """Writes the report of the rows measured so far to ``out`` (date, gpu, sides, note, summary,
     rows) and returns its summary. The A/B rewrites it after every process, so that a run cut
     short (a device call's time limit) keeps what it measured."""
     summary = summarise(rows, list(sides))
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     report = {
         "date": date,
         "gpu": rows[0]["gpu"] if rows else "unknown",
@@ -265,8 +266,8 @@ def main(argv: list[str] | None = None) -> None:
                         row = json.loads(line)
                         rows.append({"side": side, "round": round_index, **row})
                         print(json.dumps(rows[-1]), flush=True)
-                write_report(out, sides, rows, args.note)
-    print(json.dumps(write_report(out, sides, rows, args.note), indent=1))
+                write_report(out, date, sides, rows, args.note)
+    print(json.dumps(write_report(out, date, sides, rows, args.note), indent=1))
 
 
 if __name__ == "__main__":

@@ -137,15 +137,18 @@ def test_a_report_cut_short_keeps_what_was_measured(tmp_path: Path) -> None:
         for shape, side in [("32:64:3", "base"), ("32:64:3", "head1"), ("32:16:3", "base")]
     ]
     out = tmp_path / "ab.json"
-    summary = ab.write_report(out, sides, rows, "head1: the plan change")
+    summary = ab.write_report(out, "2026-12-01", sides, rows, "head1: the plan change")
     report = json.loads(out.read_text())
     assert report["summary"] == summary and report["rows"] == rows
     assert report["note"] == "head1: the plan change" and report["gpu"] == "NVIDIA H200"
+    assert report["date"] == "2026-12-01"
     assert summary["32:64:3"]["head1_over_base"] == 1.0
     assert "head2_graph_ms" not in summary["32:64:3"]
     assert "head2_over_base" not in summary["32:64:3"]
     assert list(summary["32:16:3"]) == ["base_graph_ms", "base_topk_us", "trees_equal"]
-    assert ab.write_report(out, sides, [], None) == {}  # before the first process: no note
+    assert (
+        ab.write_report(out, "2026-12-01", sides, [], None) == {}
+    )  # before the first process: no note
     assert "note" not in json.loads(out.read_text())
 
 
