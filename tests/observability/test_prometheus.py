@@ -318,6 +318,10 @@ def test_recording_rules_give_the_same_known_values(prometheus, traffic):
         mean = prometheus.scalar('ddtree:acceptance_length:mean_5m{model=""}')
         if mean is None or not math.isclose(mean, traffic.length_sum / traffic.walks):
             return None
+        # The group records the mean before the curve: a query between the two evaluations
+        # sees the new mean and no curve yet.
+        if any(str(b) not in curve for b in LADDER):
+            return None
         return curve
 
     curve = _wait_for("the recording rules to see the traffic", rules_caught_up)
