@@ -16,12 +16,13 @@
 //    with the maximum's rounding error put back per step). Candidates are 64-bit composites
 //    order_key(x) << 32 | ~token (larger composite = larger scaled logit x, equal x smaller token
 //    id). A vector whose largest entry reaches the block's running threshold is a "hit": its lane
-//    stores the raw vector in the warp's hit buffer, and once 32 hits are buffered the warp
-//    expands them together (one vector per lane, a warp prefix sum places the entries at or
-//    above the then current threshold in the warp's buffer of `cap` composites). Before a round
-//    could overflow it, the warp keeps the K largest of its buffer (a warp radix select) and
-//    raises the block threshold to the smallest of them (a lower bound of the row's K-th largest
-//    entry: the warp saw K entries at or above it). A second, tighter bound: each warp publishes
+//    stores the raw vector in the warp's hit buffer, and once DDTREE_EXPAND_AT hits are buffered
+//    (the plan's expand_at: 32, or 128 from K 17 on where the larger buffers keep the blocks
+//    per SM) the warp expands them together (32 a round, one vector per lane, a warp prefix sum
+//    places the entries at or above the then current threshold in the warp's buffer of `cap`
+//    composites). Before a round could overflow it, the warp keeps the K largest of its buffer
+//    (a warp radix select) and raises the block threshold to the smallest of them (a lower bound
+//    of the row's K-th largest entry: the warp saw K entries at or above it). A second, tighter bound: each warp publishes
 //    a value it holds j = ceil(K / TOPK_WARPS) distinct entries at or above, and the smallest of
 //    the warps' values bounds the row's K-th largest entry too (K entries in all are at or above
 //    it). A warp publishes the j-th largest of its kept candidates after each shrink and, when
@@ -38,9 +39,11 @@
 //    statistics and its candidates at or above the final threshold (a superset of its share of
 //    the row's top K; its K largest if more than K are), padded with composite 0, as one "part"
 //    of the row. With merge_here (the plan's choice: one block per row, at most two waves of
-//    blocks, K <= 400 at UNROLL 4) the block instead gathers its warps' parts in its hit
-//    buffers and merges the row itself exactly as launch 2 would (ddtree_merge_here), and
-//    launch 2 is skipped.
+//    blocks, K <= 400 at UNROLL 4) the block instead merges the row itself with launch 2's
+//    result (ddtree_merge_here: with DDTREE_MERGE_RANKS, from K 17 on, each warp sorts its
+//    own candidates in the hit buffers and an entry's rank is the sum over the warps' sorted
+//    lists of their entries above it; else the warps' parts are gathered there and ordered as
+//    launch 2 orders them), and launch 2 is skipped.
 // 2. ddtree_build_merge  grid (rows), block of any multiple of 32 threads up to MERGE_THREADS
 //    (the plan's merge_threads), dynamic shared memory
 //    (num_parts * K + 2 * sort_size) * 8 bytes. Gathers the row's non-pad candidates, combines
@@ -103,6 +106,12 @@
 #endif
 #ifndef TOPK_BOUND_MAX_J
 #define TOPK_BOUND_MAX_J 16
+#endif
+#ifndef DDTREE_EXPAND_AT
+#define DDTREE_EXPAND_AT 32  // hit vectors a warp records before it expands them
+#endif
+#ifndef DDTREE_MERGE_RANKS
+#define DDTREE_MERGE_RANKS 0  // 1: merge_here orders a row by its warps' ranks (when it may)
 #endif
 #ifndef MERGE_THREADS
 #define MERGE_THREADS 256

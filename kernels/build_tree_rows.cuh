@@ -119,9 +119,20 @@ __device__ void ddtree_rank_desc(const uint64_t* cand, int n, int k, uint64_t* s
   }
 }
 
+// The log-probability of a composite c (a pad, composite 0, has token 0xFFFFFFFF) under the row
+// statistics (max finite x, log of the sum of exp(x - max), count of +inf): -inf for a pad or an
+// impossible token.
+__device__ __forceinline__ float ddtree_composite_log_prob(uint64_t c, int vocab, float m,
+                                                           float log_sum, float inf) {
+  const float x = ddtree_composite_value(c);
+  if (ddtree_composite_token(c) >= (uint32_t)vocab) return -DDTREE_INF;
+  if (inf > 0.0f) return x == DDTREE_INF ? -logf(inf) : -DDTREE_INF;
+  return x > -DDTREE_INF ? (x - m) - log_sum : -DDTREE_INF;
+}
+
 // Writes a row's outputs from its composites sorted descending (pads are composite 0): the
-// top_k tokens, their log-probabilities under the row statistics (max finite x, log of the sum
-// of exp(x - max), count of +inf) and the number of possible ones.
+// top_k tokens, their log-probabilities under the row statistics (ddtree_composite_log_prob)
+// and the number of possible ones.
 __device__ void ddtree_write_row(const uint64_t* sorted, int64_t row, int top_k, int vocab,
                                  float m, float log_sum, float inf, float* scratch,
                                  float* __restrict__ topk_lp, int32_t* __restrict__ topk_tok,
@@ -129,16 +140,8 @@ __device__ void ddtree_write_row(const uint64_t* sorted, int64_t row, int top_k,
   int valid = 0;
   for (int r = threadIdx.x; r < top_k; r += blockDim.x) {
     const uint64_t c = sorted[r];
-    const float x = ddtree_composite_value(c);
     const uint32_t token = ddtree_composite_token(c);
-    float lp = -DDTREE_INF;
-    if (token < (uint32_t)vocab) {
-      if (inf > 0.0f) {
-        if (x == DDTREE_INF) lp = -logf(inf);
-      } else if (x > -DDTREE_INF) {
-        lp = (x - m) - log_sum;
-      }
-    }
+    const float lp = ddtree_composite_log_prob(c, vocab, m, log_sum, inf);
     topk_lp[row * top_k + r] = lp;
     topk_tok[row * top_k + r] = (int32_t)token;
     valid += lp > -DDTREE_INF ? 1 : 0;

@@ -1,8 +1,8 @@
 // build_tree's launch 1, the top-k pass: a block streams one span of one row once, keeping
 // each lane's online max and sum of exp and the candidates that reach the block's running
-// threshold (hit vectors, expanded 32 at a time into the warps' buffers, which shrink by radix
-// select), and writes the warps' parts, or merges the row itself (merge_here). Part of
-// build_tree.cu (after build_tree_rows.cuh), whose comment gives the design (launch 1).
+// threshold (hit vectors, expanded DDTREE_EXPAND_AT at a time into the warps' buffers, which
+// shrink by radix select), and writes the warps' parts, or merges the row itself (merge_here).
+// Part of build_tree.cu (after build_tree_rows.cuh), whose comment gives the design (launch 1).
 #pragma once
 
 constexpr int DDTREE_VEC = 16 / sizeof(ddtree_logit_t);
@@ -372,9 +372,9 @@ __device__ __forceinline__ void ddtree_store_shared_if(uint4* p, const uint4& v,
       : "memory");
 }
 
-// Vectors a warp may have recorded as hits and not yet expanded: fewer than 32 before a step,
-// plus at most one per lane and vector of the step.
-#define DDTREE_HITS (32 * (UNROLL + 1))
+// Vectors a warp may have recorded as hits and not yet expanded: fewer than DDTREE_EXPAND_AT
+// before a step, plus at most one per lane and vector of the step.
+#define DDTREE_HITS (DDTREE_EXPAND_AT + 32 * UNROLL)
 
 // The block threshold's value: entries below it are not candidates (the floor's value is
 // -FLT_MAX, so -inf and NaN never pass).
@@ -566,7 +566,7 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
         nh += __popc(ballot);
       }
     }
-    if (nh >= 32) {
+    if (nh >= DDTREE_EXPAND_AT) {
       count = ddtree_expand_hits<UNIT>(hit_vec, hit_token, nh, temperature, cand, count, cap,
                                        top_k, j, hist, warp_bound, block_threshold);
       nh = 0;
@@ -594,12 +594,26 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
                                   j, hist, warp_bound, block_threshold);
 }
 
+// Most candidates a warp may hold for ddtree_merge_here to order its row by ranks (below, with
+// DDTREE_MERGE_RANKS); with more in any warp it orders the row as ddtree_build_merge does.
+#define DDTREE_RANK_MAX 128
+
 // The merge of a row by its only top-k block (merge_here, in build_tree.cu's comment, launch 1):
-// each warp's `count` (<= top_k) candidates `cand` and statistics (wm, ws, infs) are gathered in
-// shared memory and ordered and written exactly as ddtree_build_merge would. `gathered` holds
-// TOPK_WARPS * top_k composites and does not overlap the candidate buffers; `sorted` (2 *
-// sort_size composites) may, as it is cleared only once they are gathered. `hist` is 256 shared
+// each warp's `count` (<= top_k) candidates `cand` and statistics (wm, ws, infs) become the
+// row's sorted top_k tokens, log-probs and count of possible ones, exactly as
+// ddtree_build_merge writes them. `gathered` holds TOPK_WARPS * top_k composites and does not
+// overlap the candidate buffers; `sorted` (2 * sort_size composites) may. `hist` is 256 shared
 // counters. Every thread of the block calls it.
+//
+// With DDTREE_MERGE_RANKS (the plan's choice from top_k 17 on) and at most DDTREE_RANK_MAX
+// candidates in every warp, each warp sorts its own into gathered[warp * top_k, ..) (an entry's
+// place: the warp's entries above it), and after one barrier an entry's rank in the row is the
+// sum over the warps' sorted lists of their entries above it (a binary search in each, the
+// warps' searches side by side). The row's top_k entries are written straight from their ranks.
+// Otherwise every candidate is ranked against all of the row's (ddtree_order_row). On the H200
+// the warps' ranks took the top-k at B 32 K 128 from 80.4 to 76.0 us (hits expanded at 128 on
+// both sides; bench/results/2026-12-01-h200-topk-expand-s31.json); with the searches one list
+// after another instead of side by side it was 4 us slower than the block's ranking at K 64.
 __device__ void ddtree_merge_here(const uint64_t* cand, int count, float wm, float ws, float infs,
                                   uint64_t* sorted, uint64_t* gathered, int64_t row, int top_k,
                                   int sort_size, int vocab, uint32_t* hist,
@@ -623,10 +637,69 @@ __device__ void ddtree_merge_here(const uint64_t* cand, int count, float wm, flo
     offset += w < warp ? counts[w] : 0;
     n += counts[w];
   }
+  float row_max, row_sum, row_inf;
+#if DDTREE_MERGE_RANKS
+  int held[TOPK_WARPS], most = 0;
+#pragma unroll
+  for (int w = 0; w < TOPK_WARPS; ++w) {
+    held[w] = counts[w];
+    most = max(most, held[w]);
+  }
+  if (most <= DDTREE_RANK_MAX) {
+    uint64_t* mine = gathered + warp * (int64_t)top_k;
+    for (int i = lane; i < count; i += 32) {
+      const uint64_t c = cand[i];
+      int above = 0;
+#pragma unroll 8
+      for (int k = 0; k < count; ++k) above += cand[k] > c ? 1 : 0;
+      mine[above] = c;
+    }
+    // Its barrier publishes the sorted lists (and `counter`, the count of possible entries).
+    ddtree_row_stats(stats, TOPK_WARPS, scratch, row_max, row_sum, row_inf);
+    const float log_sum = logf(row_sum);
+    const int top = most > 0 ? 1 << (31 - __clz(most)) : 0;
+    int valid = 0;
+    for (int i = lane; i < count; i += 32) {
+      const uint64_t c = mine[i];
+      // Binary searches for each list's entries above c, their probes side by side (steps
+      // top, top / 2, ..., 1 reach any count below 2 * top); the warp's own list: i.
+      int above[TOPK_WARPS];
+#pragma unroll
+      for (int w = 0; w < TOPK_WARPS; ++w) above[w] = 0;
+      for (int step = top; step > 0; step >>= 1) {
+#pragma unroll
+        for (int w = 0; w < TOPK_WARPS; ++w) {
+          const int probe = above[w] + step - 1;
+          if (w != warp && probe < held[w] && gathered[w * (int64_t)top_k + probe] > c) {
+            above[w] += step;
+          }
+        }
+      }
+      int rank = i;
+#pragma unroll
+      for (int w = 0; w < TOPK_WARPS; ++w) rank += above[w];
+      if (rank < top_k) {
+        const float lp = ddtree_composite_log_prob(c, vocab, row_max, log_sum, row_inf);
+        topk_lp[row * top_k + rank] = lp;
+        topk_tok[row * top_k + rank] = (int32_t)ddtree_composite_token(c);
+        valid += lp > -DDTREE_INF ? 1 : 0;
+      }
+    }
+    // Ranks n .. top_k - 1: pads (token 0xFFFFFFFF, log-prob -inf).
+    for (int r = n + threadIdx.x; r < top_k; r += blockDim.x) {
+      topk_lp[row * top_k + r] = -DDTREE_INF;
+      topk_tok[row * top_k + r] = -1;
+    }
+    valid = (int)__reduce_add_sync(DDTREE_FULL, (unsigned)valid);
+    if (lane == 0 && valid > 0) atomicAdd(&counter, valid);
+    __syncthreads();
+    if (threadIdx.x == 0) topk_count[row] = counter;
+    return;
+  }
+#endif
   for (int i = lane; i < count; i += 32) gathered[offset + i] = cand[i];
   __syncthreads();  // every candidate is gathered: the buffers under `sorted` are free
   for (int i = threadIdx.x; i < 2 * sort_size; i += blockDim.x) sorted[i] = 0;
-  float row_max, row_sum, row_inf;
   ddtree_row_stats(stats, TOPK_WARPS, scratch, row_max, row_sum, row_inf);  // publishes `sorted`
   ddtree_order_row(gathered, n, top_k, sort_size, sorted, hist, &select_scratch, &counter);
   ddtree_write_row(sorted, row, top_k, vocab, row_max, logf(row_sum), row_inf, scratch, topk_lp,

@@ -48,6 +48,18 @@ _TOPK_MIN_BLOCKS = 2
 _TOPK_BOUND_MAX_J = 16
 """Largest ``j = ceil(top_k / warps)`` for which a top-k warp publishes the j-th largest of its
 lanes' running maxima while it streams (``TOPK_BOUND_MAX_J``)."""
+_EXPAND_AT = 32
+_EXPAND_AT_LATE = 128
+_EXPAND_LATE_MIN_TOP_K = 17
+"""Hit vectors a top-k warp records before it expands them (``DDTREE_EXPAND_AT``): 32, or 128
+from top_k ``_EXPAND_LATE_MIN_TOP_K`` on where the larger hit buffers keep the blocks per SM
+that the plan chose with the smaller ones. Expanding later tests the recorded vectors' entries
+against a threshold that has risen meanwhile, so fewer become candidates (docs/kernels.md,
+session 31)."""
+_MERGE_RANKS_MIN_TOP_K = 17
+"""From this top_k on, a top-k block that merges its row orders it by its warps' ranks
+(``DDTREE_MERGE_RANKS``; build_tree_topk.cuh, ``ddtree_merge_here``); below, and in plans with
+a merge launch, the kernels are compiled without that code (docs/kernels.md, session 31)."""
 _TOPK_MIN_SHRINK = 512
 """A warp shrinks its candidate buffer once it holds more than ``max(2 * top_k, 512)``."""
 _FOUR_WARP_ONE_WAVE_MAX_TOP_K = 16
@@ -95,8 +107,13 @@ _STATIC_SMEM_RESERVE = 36 * 1024
 """Upper bound of any of these kernels' static shared memory (the select kernel's node and
 frontier tables take about 33 KiB)."""
 _TOPK_STATIC_SMEM = 1024
-"""Shared memory of one ``ddtree_build_topk`` block besides its buffers (static and the
-driver's reserve), rounded up."""
+"""Shared memory of one ``ddtree_build_topk`` block besides its buffers as the geometry counts
+it. Too little: see ``_topk_block_overhead``, which the late hit expansion's choice counts."""
+_TOPK_BLOCK_OVERHEAD = 1200 + 1024
+_TOPK_BLOCK_OVERHEAD_PER_WARP = 1044
+"""A ``ddtree_build_topk`` block's static shared memory, 1,200 bytes and 1,044 per warp (mostly
+the warps' radix histograms; cuobjdump of the sm_90 builds, session 31), and the driver's 1 KiB
+reserve per block."""
 _MAX_PARTS = 32
 """Most candidate lists per row (chunks times warps) that the merge gathers when rows are split
 to fill the GPU."""
@@ -123,6 +140,9 @@ class BuildTreePlan:
     """Top-k blocks per row."""
     num_parts: int
     """Candidate lists per row handed to the merge, ``num_chunks * warps``."""
+    expand_at: int
+    """Hit vectors a warp records before it expands them (``DDTREE_EXPAND_AT``); its hit buffer
+    holds ``expand_at + 32 * unroll``."""
     cap: int
     """Capacity of a warp's candidate buffer, ``max(2 * top_k, 512) + 32 * (16 /
     element_size)``: the warp shrinks it to at most ``2 * top_k`` before a round of hit
@@ -133,8 +153,13 @@ class BuildTreePlan:
     """Whether each top-k block merges its row itself and the merge launch is skipped: one
     block per row (``num_chunks == 1``), at most two waves of top-k blocks (past that, the
     blocks' merges add up to more than one merge launch: H200, B 128 K 64, 0.323 against 0.315
-    ms) and room for the warps' ``top_k`` candidates each in its hit buffers (``8 * top_k <= 20
-    * 32 * (unroll + 1)``, top_k up to 400 at unroll 4)."""
+    ms) and room for the warps' ``top_k`` candidates each in hit buffers of ``32 * (unroll +
+    1)`` vectors (``8 * top_k <= 20 * 32 * (unroll + 1)``, top_k up to 400 at unroll 4), also
+    where late expansion makes them larger: larger rows merged in their blocks took longer than
+    in the merge launch (H200, B 32 K 420: top-k 127 -> 270 us; docs/kernels.md, session 31)."""
+    merge_ranks: bool
+    """Whether the merging top-k blocks order their rows by their warps' ranks
+    (``DDTREE_MERGE_RANKS``): with ``merge_here`` from top_k ``_MERGE_RANKS_MIN_TOP_K`` on."""
     lp_in_smem: bool
     """Whether the select kernel copies the per-depth log-prob table to shared memory."""
     wide_cap: int
@@ -163,6 +188,8 @@ class BuildTreePlan:
             "UNROLL": self.unroll,
             "TOPK_MIN_BLOCKS": self.min_blocks,
             "TOPK_BOUND_MAX_J": _TOPK_BOUND_MAX_J,
+            "DDTREE_EXPAND_AT": self.expand_at,
+            "DDTREE_MERGE_RANKS": int(self.merge_ranks),
             "DDTREE_BULK_AFTER": self.bulk_after,
         }
 
@@ -223,8 +250,8 @@ def build_tree_plan(
     # Per warp: its candidates (see BuildTreePlan.cap) and its hit vectors not yet expanded (16
     # bytes and a 4-byte first token each).
     cap = max(2 * top_k, _TOPK_MIN_SHRINK) + 32 * vec
-    hits = 32 * (unroll + 1)
-    warp_smem = cap * 8 + hits * 20
+    expand_at = _EXPAND_AT
+    warp_smem = cap * 8 + (expand_at + 32 * unroll) * 20
     for warps in _TOPK_WARPS:
         topk_smem = warps * warp_smem
         if topk_smem <= max_smem_bytes:
@@ -243,6 +270,12 @@ def build_tree_plan(
     tiles = -(-vocab_size // tile)
     # Blocks per SM that the shared memory allows, at most what the register cap was chosen for.
     resident = max(1, min(min_blocks, _blocks_fitting(topk_smem, max_smem_bytes)))
+    if top_k >= _EXPAND_LATE_MIN_TOP_K:
+        # The larger hit buffers of late expansion, where as many blocks still fit.
+        late_smem = warps * (cap * 8 + (_EXPAND_AT_LATE + 32 * unroll) * 20)
+        late_blocks = _blocks_fitting(late_smem, max_smem_bytes, _topk_block_overhead(warps))
+        if late_smem <= max_smem_bytes and late_blocks >= resident:
+            expand_at, topk_smem = _EXPAND_AT_LATE, late_smem
 
     # Chunks per row: one once the rows fill every resident slot (on the H200 more chunks per
     # row cost more in per-block set-up and merge than they win back in the last wave), else
@@ -259,7 +292,9 @@ def build_tree_plan(
     span = -(-tiles // chunks) * tile
     num_chunks = -(-vocab_size // span)
     num_parts = num_chunks * warps
-    merge_here = num_chunks == 1 and rows <= 2 * num_sms * resident and 8 * top_k <= 20 * hits
+    # Room in hit buffers of _EXPAND_AT + 32 * unroll vectors, also where they are larger.
+    room = 20 * (_EXPAND_AT + 32 * unroll)
+    merge_here = num_chunks == 1 and rows <= 2 * num_sms * resident and 8 * top_k <= room
     merge_smem = (num_parts * top_k + 2 * sort_size) * 8
     small = num_parts * top_k <= _MERGE_SMALL_ROW and rows > num_sms * _MERGE_RESIDENT
     merge_threads = _MERGE_THREADS_SMALL if small else _MERGE_THREADS
@@ -289,9 +324,11 @@ def build_tree_plan(
         span=span,
         num_chunks=num_chunks,
         num_parts=num_parts,
+        expand_at=expand_at,
         cap=cap,
         sort_size=sort_size,
         merge_here=merge_here,
+        merge_ranks=merge_here and top_k >= _MERGE_RANKS_MIN_TOP_K,
         lp_in_smem=lp_in_smem,
         wide_cap=wide_cap,
         wide_min_budget=_WIDE_MIN_BUDGET,
@@ -305,10 +342,21 @@ def build_tree_plan(
     )
 
 
-def _blocks_fitting(topk_smem: int, max_smem_bytes: int) -> int:
-    """Top-k blocks of ``topk_smem`` buffer bytes per SM that the shared memory allows (the
-    per-block opt-in limit stands in for the SM's capacity)."""
-    return (max_smem_bytes + _STATIC_SMEM_RESERVE) // (topk_smem + _TOPK_STATIC_SMEM)
+def _blocks_fitting(topk_smem: int, max_smem_bytes: int, overhead: int = _TOPK_STATIC_SMEM) -> int:
+    """Top-k blocks of ``topk_smem`` buffer bytes and ``overhead`` other bytes per SM that the
+    shared memory allows (the per-block opt-in limit stands in for the SM's capacity).
+
+    The geometry counts ``_TOPK_STATIC_SMEM`` per block, about 8-9 KiB less than an eight-warp
+    block takes (``_topk_block_overhead``): it plans two eight-warp blocks per SM at bf16 top_k
+    498-572, where one fits. Counting all of it moves the warps or chunks of about 200 plan
+    points (top_k 487-606), which have not been measured, so only the late hit expansion counts
+    it for now."""
+    return (max_smem_bytes + _STATIC_SMEM_RESERVE) // (topk_smem + overhead)
+
+
+def _topk_block_overhead(warps: int) -> int:
+    """A top-k block's shared memory besides its buffers (``_TOPK_BLOCK_OVERHEAD``)."""
+    return _TOPK_BLOCK_OVERHEAD + warps * _TOPK_BLOCK_OVERHEAD_PER_WARP
 
 
 def _four_warps_faster(

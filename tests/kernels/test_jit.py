@@ -179,13 +179,19 @@ def test_build_tree_plan_covers_the_vocabulary(
         "UNROLL": plan.unroll,
         "TOPK_MIN_BLOCKS": plan.min_blocks,
         "TOPK_BOUND_MAX_J": 16,
+        "DDTREE_EXPAND_AT": plan.expand_at,
+        # Rows merged in the top-k blocks are ordered by the warps' ranks from top_k 17 on.
+        "DDTREE_MERGE_RANKS": int(plan.merge_here and plan.top_k >= 17),
         # The bulk select from the first round for batches of 4 and budgets of 32 on.
         "DDTREE_BULK_AFTER": 0 if batch_size >= 4 and max_budget >= 32 else -1,
     }
     assert plan.topk.grid == (plan.num_chunks, rows, 1)
     assert plan.topk.block == (plan.warps * 32, 1, 1)
     # Candidates, then the hit vectors (16 bytes) and their first tokens (4 bytes).
-    hits = 32 * (plan.unroll + 1)
+    # A warp expands its hits once it has recorded 32, or 128 from top_k 17 on where as many
+    # blocks per SM fit (see test_build_tree_plan_expands_hits_late_where_the_blocks_fit).
+    assert plan.expand_at in ((32, 128) if plan.top_k >= 17 else (32,))
+    hits = plan.expand_at + 32 * plan.unroll
     assert plan.topk.shared_mem_bytes == plan.warps * (plan.cap * 8 + hits * 20)
     assert plan.merge.grid == (rows, 1, 1)
     assert plan.merge.shared_mem_bytes == (plan.num_parts * plan.top_k + 2 * plan.sort_size) * 8
@@ -198,7 +204,9 @@ def test_build_tree_plan_covers_the_vocabulary(
     # merges its row when its warps' top_k candidates each fit in the hit buffers, and the merge
     # launch is skipped.
     waves_ok = rows <= 2 * 132 * 2
-    assert plan.merge_here == (plan.num_chunks == 1 and waves_ok and 8 * plan.top_k <= 20 * hits)
+    # The room is that of 32 + 32 * unroll hit vectors whatever the plan's expand_at.
+    room = 20 * 32 * (plan.unroll + 1)
+    assert plan.merge_here == (plan.num_chunks == 1 and waves_ok and 8 * plan.top_k <= room)
     assert plan.select.grid == (batch_size, 1, 1)
     lp_table = -(-draft_len * plan.top_k * 4 // 16) * 16 if plan.lp_in_smem else 0
     wide = tree_cuda.wide_select_bytes(plan.wide_cap, plan.wide_sort_size) if plan.wide_cap else 0
@@ -259,6 +267,44 @@ def test_build_tree_plan_takes_four_warp_topk_blocks_where_they_were_faster() ->
     # Where fewer warps are taken for room (sm_120), the register cap stays.
     sm120 = 63 * 1024
     assert [geometry(32, k, sm120)[:2] for k in (64, 1024)] == [(4, 2), (2, 2)]
+
+
+def test_build_tree_plan_expands_hits_late_where_the_blocks_fit() -> None:
+    plan = tree_cuda.build_tree_plan
+    h200 = 227 * 1024 - 36 * 1024
+
+    def late(batch_size: int, budget: int, element_size: int = 2) -> tuple[int, int, int]:
+        p = plan(batch_size, 16, 163840, budget, max_smem_bytes=h200, element_size=element_size)
+        return p.expand_at, p.warps, p.min_blocks
+
+    # Up to top_k 16 a warp expands every 32 hit vectors (the same kernels as before session 31).
+    assert [late(32, k)[0] for k in (1, 9, 16)] == [32, 32, 32]
+    # From 17 on every 128, while two eight-warp blocks with their 256-vector hit buffers still
+    # fit an SM, counting each block's static shared memory and the driver's reserve ...
+    assert [late(32, k) for k in (17, 64, 256, 377)] == [(128, 8, 2)] * 4
+    # ... and not where only one would (B 32 K 420 took 127.8 -> 196.1 us with them).
+    assert [late(32, k) for k in (378, 420, 572)] == [(32, 8, 2)] * 3
+    # Four-warp blocks keep their three or two blocks per SM with them.
+    assert [late(32, k) for k in (600, 1024)] == [(128, 4, 4)] * 2
+    assert late(128, 64) == (128, 4, 4)
+    assert late(3, 300, element_size=4) == (128, 8, 2)
+    # The geometry is the one the 32-vector buffers get.
+    for batch_size, budget in ((1, 64), (8, 256), (32, 420), (32, 1024)):
+        p = plan(batch_size, 16, 163840, budget, max_smem_bytes=h200)
+        assert p.topk.shared_mem_bytes == p.warps * (p.cap * 8 + (p.expand_at + 128) * 20)
+
+
+def test_build_tree_plan_orders_merged_rows_by_ranks_from_top_k_17() -> None:
+    plan = tree_cuda.build_tree_plan
+    assert [plan(32, 16, 163840, k).merge_ranks for k in (16, 17, 64, 400)] == [
+        False,
+        True,
+        True,
+        True,
+    ]
+    # Rows merged by the merge launch compile no rank code.
+    assert not plan(1, 16, 163840, 64).merge_ranks
+    assert not plan(128, 16, 163840, 64).merge_ranks
 
 
 def test_build_tree_plan_gives_the_wide_select_a_store() -> None:

@@ -89,6 +89,10 @@ _BUILD_CASES = [
     # plan at budgets up to 16, tree_cuda._four_warps_faster).
     (32, 16, 163840, 16, "bf16", "random"),
     (20, 16, 163840, 9, "f16", "random"),
+    # Rows that their top-k blocks order by the warps' ranks (tree_cuda's merge_ranks, at most
+    # 128 candidates a warp), and in the same build rows of one warp's 300 that take the sort.
+    (32, 16, 163840, 256, "bf16", "random"),
+    (3, 5, 300, 1024, "f32", "random"),
     (3, 5, 100, 1024, "f32", "random"),
     (4, 6, 2000, 65, "f32", "ties"),
     (4, 6, 2000, 65, "f32", "flat"),
