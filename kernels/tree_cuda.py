@@ -382,13 +382,13 @@ def _four_warps_faster(
     """
     blocks8 = min(min_blocks, _blocks_fitting(8 * warp_smem, max_smem_bytes))
     blocks4 = min(2 * min_blocks, _blocks_fitting(4 * warp_smem, max_smem_bytes))
-    slots4 = num_sms * blocks4
+    slots8, slots4 = num_sms * blocks8, num_sms * blocks4
     if blocks8 < min_blocks <= blocks4:
         return slots4 < 2 * rows  # the rows are not split
-    one_wave = blocks4 == 2 * blocks8 and num_sms * blocks8 < rows <= slots4
+    one_wave = blocks4 == 2 * blocks8 and slots8 < rows <= slots4
     if one_wave and top_k <= _FOUR_WARP_ONE_WAVE_MAX_TOP_K:
         return True
-    waves8 = -(-rows // (num_sms * blocks8))
+    waves8 = -(-rows // slots8)
     even = blocks4 == 2 * blocks8 and rows >= slots4 and 2 * -(-rows // slots4) <= waves8
     bound = _TOPK_BOUND_MAX_J
     return even and (-(-top_k // 4) <= bound) == (-(-top_k // 8) <= bound)
