@@ -112,8 +112,8 @@ it. Too little: see ``_topk_block_overhead``, which the late hit expansion's cho
 _TOPK_BLOCK_OVERHEAD = 1200 + 1024
 _TOPK_BLOCK_OVERHEAD_PER_WARP = 1044
 """A ``ddtree_build_topk`` block's static shared memory, 1,200 bytes and 1,044 per warp (mostly
-the warps' radix histograms; cuobjdump of the sm_90 builds, session 31), and the driver's 1 KiB
-reserve per block."""
+the warps' radix histograms; the kernel's ``.nv.shared`` section in the sm_90 cubins, which
+tests/kernels/test_compile.py checks), and the driver's 1 KiB reserve per block."""
 _MAX_PARTS = 32
 """Most candidate lists per row (chunks times warps) that the merge gathers when rows are split
 to fill the GPU."""

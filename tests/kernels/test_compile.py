@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
-from ddtree.kernels import jit
+from ddtree.kernels import jit, tree_cuda
 
 pytestmark = pytest.mark.skipif(
     not jit.is_available(),
@@ -21,11 +23,13 @@ _VARIANTS = {
             "UNROLL": unroll,
             "TOPK_MIN_BLOCKS": blocks,
             "DDTREE_BULK_AFTER": bulk,
+            "DDTREE_EXPAND_AT": expand_at,
+            "DDTREE_MERGE_RANKS": ranks,
         }
-        for dtype, warps, unroll, blocks, bulk in (
-            (0, 8, 2, 4, 0),
-            (1, 4, 4, 2, 4),
-            (2, 8, 2, 4, -1),
+        for dtype, warps, unroll, blocks, bulk, expand_at, ranks in (
+            (0, 8, 2, 4, 0, 128, 1),
+            (1, 4, 4, 2, 4, 128, 1),
+            (2, 8, 2, 4, -1, 32, 0),
         )
     ],
     "accept.cu": [
@@ -67,3 +71,35 @@ def test_source_compiles(name: str, arch: str, defines: dict[str, int], tmp_path
     cubin, key = jit.compile_cubin(name, arch, defines, cache=jit.KernelCache(tmp_path))
     assert cubin.startswith(b"\x7fELF")
     assert len(key) == 64
+
+
+def _static_shared_bytes(cubin: bytes) -> dict[str, int]:
+    """Each kernel's static shared memory in a cubin: the sizes of its ``.nv.shared.<kernel>``
+    ELF sections (ELF64, little-endian)."""
+    (table,) = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, table + i * entry_size) for i in range(count)]
+    names = headers[names_index][4]
+
+    def name(offset: int) -> str:
+        start = names + offset
+        return cubin[start : cubin.index(b"\0", start)].decode()
+
+    prefix = ".nv.shared."
+    return {name(h[0])[len(prefix) :]: h[5] for h in headers if name(h[0]).startswith(prefix)}
+
+
+@pytest.mark.parametrize(("batch_size", "budget"), [(32, 64), (32, 16), (128, 64), (4, 256)])
+def test_the_plan_counts_the_kernels_static_shared_memory(
+    batch_size: int, budget: int, tmp_path
+) -> None:
+    """The top-k block's static shared memory is what the plan's late hit expansion counts per
+    block besides its buffers (less the driver's 1 KiB), and no build kernel's exceeds the
+    reserve that the plan keeps below the opt-in limit for it (tree_cuda._STATIC_SMEM_RESERVE).
+    Compiled for sm_90, the H200 the plan's numbers were measured on."""
+    plan = tree_cuda.build_tree_plan(batch_size, 16, 163840, budget)
+    defines = {"DDTREE_DTYPE": 1, **plan.defines}
+    cubin, _ = jit.compile_cubin("build_tree.cu", "sm_90", defines, cache=jit.KernelCache(tmp_path))
+    static = _static_shared_bytes(cubin)
+    assert static["ddtree_build_topk"] == tree_cuda._topk_block_overhead(plan.warps) - 1024
+    assert max(static.values()) <= tree_cuda._STATIC_SMEM_RESERVE, static
