@@ -247,11 +247,9 @@ def build_tree_plan(
         )
     vec = 16 // element_size
     step = 32 * unroll * vec
-    # Per warp: its candidates (see BuildTreePlan.cap) and its hit vectors not yet expanded (16
-    # bytes and a 4-byte first token each).
     cap = max(2 * top_k, _TOPK_MIN_SHRINK) + 32 * vec
     expand_at = _EXPAND_AT
-    warp_smem = cap * 8 + (expand_at + 32 * unroll) * 20
+    warp_smem = _topk_warp_smem(cap, expand_at, unroll)
     for warps in _TOPK_WARPS:
         topk_smem = warps * warp_smem
         if topk_smem <= max_smem_bytes:
@@ -272,7 +270,7 @@ def build_tree_plan(
     resident = max(1, min(min_blocks, _blocks_fitting(topk_smem, max_smem_bytes)))
     if top_k >= _EXPAND_LATE_MIN_TOP_K:
         # The larger hit buffers of late expansion, where as many blocks still fit.
-        late_smem = warps * (cap * 8 + (_EXPAND_AT_LATE + 32 * unroll) * 20)
+        late_smem = warps * _topk_warp_smem(cap, _EXPAND_AT_LATE, unroll)
         late_blocks = _blocks_fitting(late_smem, max_smem_bytes, _topk_block_overhead(warps))
         if late_smem <= max_smem_bytes and late_blocks >= resident:
             expand_at, topk_smem = _EXPAND_AT_LATE, late_smem
@@ -340,6 +338,13 @@ def build_tree_plan(
             (batch_size, 1, 1), (_SELECT_THREADS, 1, 1), select_smem, dependent=True
         ),
     )
+
+
+def _topk_warp_smem(cap: int, expand_at: int, unroll: int) -> int:
+    """Shared memory of one top-k warp's buffers: its ``cap`` candidates (8 bytes each; see
+    BuildTreePlan.cap) and its hit vectors not yet expanded, ``expand_at + 32 * unroll`` (16
+    bytes and a 4-byte first token each)."""
+    return cap * 8 + (expand_at + 32 * unroll) * 20
 
 
 def _blocks_fitting(topk_smem: int, max_smem_bytes: int, overhead: int = _TOPK_STATIC_SMEM) -> int:
