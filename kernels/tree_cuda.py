@@ -106,14 +106,16 @@ sm_120 offers about 99 KiB, where ``build_tree_plan`` is called with a smaller l
 _STATIC_SMEM_RESERVE = 36 * 1024
 """Upper bound of any of these kernels' static shared memory (the select kernel's node and
 frontier tables take about 33 KiB)."""
-_TOPK_STATIC_SMEM = 1024
-"""Shared memory of one ``ddtree_build_topk`` block besides its buffers as the geometry counts
-it. Too little: see ``_topk_block_overhead``, which the late hit expansion's choice counts."""
-_TOPK_BLOCK_OVERHEAD = 1200 + 1024
-_TOPK_BLOCK_OVERHEAD_PER_WARP = 1044
+_SM_SMEM_OVER_OPTIN = 1024
+"""An SM's shared memory exceeds the per-block opt-in by 1 KiB (sm_90 and sm_100: 228 KiB and
+227; sm_120: 100 and 99). The driver fits blocks on an SM while their dynamic and static shared
+memory sum to at most the SM's (H200, the top-k kernel's occupancy at 1 to 4 blocks of 4 and 8
+warps: bench/results/2026-12-01-h200-topk-occupancy-s32.json)."""
+_TOPK_STATIC = 1200
+_TOPK_STATIC_PER_WARP = 1044
 """A ``ddtree_build_topk`` block's static shared memory, 1,200 bytes and 1,044 per warp (mostly
 the warps' radix histograms; the kernel's ``.nv.shared`` section in the sm_90 cubins, which
-tests/kernels/test_compile.py checks), and the driver's 1 KiB reserve per block."""
+tests/kernels/test_compile.py checks)."""
 _MAX_PARTS = 32
 """Most candidate lists per row (chunks times warps) that the merge gathers when rows are split
 to fill the GPU."""
@@ -267,11 +269,11 @@ def build_tree_plan(
     tile = warps * step
     tiles = -(-vocab_size // tile)
     # Blocks per SM that the shared memory allows, at most what the register cap was chosen for.
-    resident = max(1, min(min_blocks, _blocks_fitting(topk_smem, max_smem_bytes)))
+    resident = max(1, min(min_blocks, _blocks_fitting(topk_smem, warps, max_smem_bytes)))
     if top_k >= _EXPAND_LATE_MIN_TOP_K:
         # The larger hit buffers of late expansion, where as many blocks still fit.
         late_smem = warps * _topk_warp_smem(cap, _EXPAND_AT_LATE, unroll)
-        late_blocks = _blocks_fitting(late_smem, max_smem_bytes, _topk_block_overhead(warps))
+        late_blocks = _blocks_fitting(late_smem, warps, max_smem_bytes)
         if late_smem <= max_smem_bytes and late_blocks >= resident:
             expand_at, topk_smem = _EXPAND_AT_LATE, late_smem
 
@@ -347,21 +349,17 @@ def _topk_warp_smem(cap: int, expand_at: int, unroll: int) -> int:
     return cap * 8 + (expand_at + 32 * unroll) * 20
 
 
-def _blocks_fitting(topk_smem: int, max_smem_bytes: int, overhead: int = _TOPK_STATIC_SMEM) -> int:
-    """Top-k blocks of ``topk_smem`` buffer bytes and ``overhead`` other bytes per SM that the
-    shared memory allows (the per-block opt-in limit stands in for the SM's capacity).
-
-    The geometry counts ``_TOPK_STATIC_SMEM`` per block, about 8-9 KiB less than an eight-warp
-    block takes (``_topk_block_overhead``): it plans two eight-warp blocks per SM at bf16 top_k
-    498-572, where one fits. Counting all of it moves the warps or chunks of about 200 plan
-    points (top_k 487-606), which have not been measured, so only the late hit expansion counts
-    it for now."""
-    return (max_smem_bytes + _STATIC_SMEM_RESERVE) // (topk_smem + overhead)
+def _blocks_fitting(topk_smem: int, warps: int, max_smem_bytes: int) -> int:
+    """Top-k blocks of ``warps`` warps and ``topk_smem`` buffer bytes that one SM's shared memory
+    holds with the kernel's static shared memory: ``max_smem_bytes + _STATIC_SMEM_RESERVE``
+    stands in for the per-block opt-in (``max_dynamic_smem``)."""
+    sm_smem = max_smem_bytes + _STATIC_SMEM_RESERVE + _SM_SMEM_OVER_OPTIN
+    return sm_smem // (topk_smem + topk_static_smem(warps))
 
 
-def _topk_block_overhead(warps: int) -> int:
-    """A top-k block's shared memory besides its buffers (``_TOPK_BLOCK_OVERHEAD``)."""
-    return _TOPK_BLOCK_OVERHEAD + warps * _TOPK_BLOCK_OVERHEAD_PER_WARP
+def topk_static_smem(warps: int) -> int:
+    """Static shared memory of a ``ddtree_build_topk`` block of ``warps`` warps, bytes."""
+    return _TOPK_STATIC + warps * _TOPK_STATIC_PER_WARP
 
 
 def _four_warps_faster(
@@ -371,22 +369,22 @@ def _four_warps_faster(
     registers per thread), beat the blocks of eight that fit: rows of ``top_k`` candidates,
     ``warp_smem`` buffer bytes per warp. Measured on the H200 (docs/kernels.md, session 18):
 
-    * large budgets (top_k above 572 there): eight warps' blocks fit one per SM, whose SM
+    * large budgets (bf16 top_k above 509 there): eight warps' blocks fit one per SM, whose SM
       idles while the block ends its row; four-warp blocks keep two or more per SM, unless
       their rows would be split (B 32 K 1024: 0.646 -> 0.480 ms; B 8 K 576-768 would be
-      1.12-1.15x the time);
+      1.12-1.15x the time; session 32, K 540-572: B 32 0.97-0.98x, B 16 1.00x);
     * rows that fill at least one wave of four-warp blocks, as evenly as eight-warp blocks
       fill theirs (four-warp blocks take twice as long per row), at budgets where halving the
       warps keeps ``j = ceil(top_k / warps)`` on the same side of ``TOPK_BOUND_MAX_J`` (the
-      warps' running lane bounds): B 64-128, K 16-64 and 256-512, 0.80-0.96x the time; K
+      warps' running lane bounds): B 64-128, K 16-64 and 256-500, 0.80-0.96x the time; K
       96-128 would be 1.10x, B 48 (1.45 waves of four-warp blocks) 1.06-1.33x;
     * rows that one wave of four-warp blocks holds and eight-warp blocks need two waves for,
       at top_k up to ``_FOUR_WARP_ONE_WAVE_MAX_TOP_K`` (docs/kernels.md, session 30): B 32 and
       24, K 16, 0.97x and 0.92x the time; K 32 changed by less than the spread between
       processes, K 64 took 1.02x and K 96 1.12x (session 29).
     """
-    blocks8 = min(min_blocks, _blocks_fitting(8 * warp_smem, max_smem_bytes))
-    blocks4 = min(2 * min_blocks, _blocks_fitting(4 * warp_smem, max_smem_bytes))
+    blocks8 = min(min_blocks, _blocks_fitting(8 * warp_smem, 8, max_smem_bytes))
+    blocks4 = min(2 * min_blocks, _blocks_fitting(4 * warp_smem, 4, max_smem_bytes))
     slots8, slots4 = num_sms * blocks8, num_sms * blocks4
     if blocks8 < min_blocks <= blocks4:
         return slots4 < 2 * rows  # the rows are not split

@@ -93,13 +93,13 @@ def _static_shared_bytes(cubin: bytes) -> dict[str, int]:
 def test_the_plan_counts_the_kernels_static_shared_memory(
     batch_size: int, budget: int, tmp_path
 ) -> None:
-    """The top-k block's static shared memory is what the plan's late hit expansion counts per
-    block besides its buffers (less the driver's 1 KiB), and no build kernel's exceeds the
-    reserve that the plan keeps below the opt-in limit for it (tree_cuda._STATIC_SMEM_RESERVE).
-    Compiled for sm_90, the H200 the plan's numbers were measured on."""
+    """The top-k block's static shared memory is what the plan counts per block besides its
+    buffers (``tree_cuda.topk_static_smem``), and no build kernel's exceeds the reserve that the
+    plan keeps below the opt-in limit for it (tree_cuda._STATIC_SMEM_RESERVE). Compiled for
+    sm_90, the H200 the plan's numbers were measured on."""
     plan = tree_cuda.build_tree_plan(batch_size, 16, 163840, budget)
     defines = {"DDTREE_DTYPE": 1, **plan.defines}
     cubin, _ = jit.compile_cubin("build_tree.cu", "sm_90", defines, cache=jit.KernelCache(tmp_path))
     static = _static_shared_bytes(cubin)
-    assert static["ddtree_build_topk"] == tree_cuda._topk_block_overhead(plan.warps) - 1024
+    assert static["ddtree_build_topk"] == tree_cuda.topk_static_smem(plan.warps)
     assert max(static.values()) <= tree_cuda._STATIC_SMEM_RESERVE, static

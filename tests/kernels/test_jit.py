@@ -230,12 +230,13 @@ def test_build_tree_plan_takes_four_warp_topk_blocks_where_they_were_faster() ->
         p = plan(batch_size, 16, 163840, budget, max_smem_bytes=smem)
         return p.warps, p.min_blocks, p.num_chunks
 
-    # Large budgets: eight warps' buffers fit two blocks per SM up to top_k 572; past it,
-    # blocks of four warps asking for four per SM (the same 128 registers per thread) ...
-    assert [geometry(32, k) for k in (64, 512, 572, 573, 1024)] == [
+    # Large budgets: eight warps' buffers and static shared memory fit two blocks in an SM's
+    # 228 KiB up to top_k 509; past it, blocks of four warps asking for four per SM (the same
+    # 128 registers per thread) ...
+    assert [geometry(32, k) for k in (64, 509, 510, 572, 1024)] == [
         (8, 2, 1),
         (8, 2, 1),
-        (8, 2, 1),
+        (4, 4, 1),
         (4, 4, 1),
         (4, 4, 1),
     ]
@@ -280,12 +281,15 @@ def test_build_tree_plan_expands_hits_late_where_the_blocks_fit() -> None:
     # Up to top_k 16 a warp expands every 32 hit vectors (the same kernels as before session 31).
     assert [late(32, k)[0] for k in (1, 9, 16)] == [32, 32, 32]
     # From 17 on every 128, while two eight-warp blocks with their 256-vector hit buffers still
-    # fit an SM, counting each block's static shared memory and the driver's reserve ...
-    assert [late(32, k) for k in (17, 64, 256, 377)] == [(128, 8, 2)] * 4
+    # fit an SM, counting each block's static shared memory against the SM's 228 KiB ...
+    assert [late(32, k) for k in (17, 64, 256, 389)] == [(128, 8, 2)] * 4
     # ... and not where only one would (B 32 K 420 took 127.8 -> 196.1 us with them).
-    assert [late(32, k) for k in (378, 420, 572)] == [(32, 8, 2)] * 3
-    # Four-warp blocks keep their three or two blocks per SM with them.
-    assert [late(32, k) for k in (600, 1024)] == [(128, 4, 4)] * 2
+    assert [late(32, k) for k in (390, 420, 509)] == [(32, 8, 2)] * 3
+    # Four-warp blocks where they keep their three or two blocks per SM with them ...
+    assert [late(32, k) for k in (510, 600, 1024)] == [(128, 4, 4)] * 3
+    # ... and not where they would lose one (session 32: B 64 K 490, four blocks to three, and
+    # K 800, three to two, took 1.14x and 1.13x the time).
+    assert late(64, 490) == late(64, 800) == (32, 4, 4)
     assert late(128, 64) == (128, 4, 4)
     assert late(3, 300, element_size=4) == (128, 8, 2)
     # The geometry is the one the 32-vector buffers get.

@@ -94,11 +94,33 @@ _BUILD_CASES = [
     (32, 16, 163840, 256, "bf16", "random"),
     (3, 5, 300, 1024, "f32", "random"),
     (3, 5, 100, 1024, "f32", "random"),
+    # Budgets at which one eight-warp block fits an SM (bf16 top_k 510-572 on the H200):
+    # four-warp blocks, three per SM, expanding hits late; and fewer rows, unsplit.
+    (16, 16, 163840, 540, "bf16", "random"),
+    (6, 16, 163840, 520, "f16", "random"),
     (4, 6, 2000, 65, "f32", "ties"),
     (4, 6, 2000, 65, "f32", "flat"),
     (4, 6, 2000, 65, "bf16", "peaked"),
     (3, 7, 1001, 7, "f16", "ties"),
 ]
+
+
+@pytest.mark.parametrize("budget", [64, 1024])  # eight- and four-warp blocks at batch 32
+def test_the_plan_fits_as_many_topk_blocks_per_sm_as_the_driver(budget: int) -> None:
+    """``tree_cuda._blocks_fitting``, by which the plan chooses warps, chunks and late hit
+    expansion, gives the driver's occupancy of the compiled top-k kernel at every dynamic shared
+    memory size (16-byte steps) where shared memory, not registers, sets it."""
+    plan = tree_cuda.device_build_tree_plan(32, 16, 163840, budget, 2, 0)
+    kernel = tree_cuda._build_kernel("ddtree_build_topk", 1, tuple(plan.defines.items()), 0)
+    occupancy = kernel.occupancy.max_active_blocks_per_multiprocessor
+    max_smem = tree_cuda.max_dynamic_smem(0)
+    checked = 0
+    for smem in range(0, max_smem + 1, 16):
+        model = tree_cuda._blocks_fitting(smem, plan.warps, max_smem)
+        if model <= plan.min_blocks:
+            assert occupancy(plan.warps * 32, smem) == model, smem
+            checked += 1
+    assert checked > 1000
 
 
 @pytest.mark.parametrize("peak", [1e3, 3e5, 1e20, 1e38])
