@@ -372,7 +372,7 @@ def _four_warps_faster(
     * large budgets (bf16 top_k above 509 there): eight warps' blocks fit one per SM, whose SM
       idles while the block ends its row; four-warp blocks keep two or more per SM, unless
       their rows would be split (B 32 K 1024: 0.646 -> 0.480 ms; B 8 K 576-768 would be
-      1.12-1.15x the time; session 32, K 540-572: B 32 0.97-0.98x, B 16 1.00x);
+      1.12-1.15x the time; session 32, K 540-572: B 32 0.97-0.98x, B 16 1.00-1.01x);
     * rows that fill at least one wave of four-warp blocks, as evenly as eight-warp blocks
       fill theirs (four-warp blocks take twice as long per row), at budgets where halving the
       warps keeps ``j = ceil(top_k / warps)`` on the same side of ``TOPK_BOUND_MAX_J`` (the
