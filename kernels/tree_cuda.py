@@ -293,7 +293,7 @@ def build_tree_plan(
     num_chunks = -(-vocab_size // span)
     num_parts = num_chunks * warps
     # Room in hit buffers of _EXPAND_AT + 32 * unroll vectors, also where they are larger.
-    room = 20 * (_EXPAND_AT + 32 * unroll)
+    room = _hit_buffer_bytes(_EXPAND_AT, unroll)
     merge_here = num_chunks == 1 and rows <= 2 * num_sms * resident and 8 * top_k <= room
     merge_smem = (num_parts * top_k + 2 * sort_size) * 8
     small = num_parts * top_k <= _MERGE_SMALL_ROW and rows > num_sms * _MERGE_RESIDENT
@@ -344,9 +344,14 @@ def build_tree_plan(
 
 def _topk_warp_smem(cap: int, expand_at: int, unroll: int) -> int:
     """Shared memory of one top-k warp's buffers: its ``cap`` candidates (8 bytes each; see
-    BuildTreePlan.cap) and its hit vectors not yet expanded, ``expand_at + 32 * unroll`` (16
-    bytes and a 4-byte first token each)."""
-    return cap * 8 + (expand_at + 32 * unroll) * 20
+    BuildTreePlan.cap) and its hit buffer (``_hit_buffer_bytes``)."""
+    return cap * 8 + _hit_buffer_bytes(expand_at, unroll)
+
+
+def _hit_buffer_bytes(expand_at: int, unroll: int) -> int:
+    """A top-k warp's hit buffer: its hit vectors not yet expanded, ``expand_at + 32 * unroll``
+    (16 bytes and a 4-byte first token each)."""
+    return (expand_at + 32 * unroll) * 20
 
 
 def _blocks_fitting(topk_smem: int, warps: int, max_smem_bytes: int) -> int:
