@@ -43,7 +43,11 @@
 //    result (ddtree_merge_here: with DDTREE_MERGE_RANKS, from K 17 on, each warp sorts its
 //    own candidates in the hit buffers and an entry's rank is the sum over the warps' sorted
 //    lists of their entries above it; else the warps' parts are gathered there and ordered as
-//    launch 2 orders them), and launch 2 is skipped.
+//    launch 2 orders them), and launch 2 is skipped. In early plans (DDTREE_EARLY_DEPTHS > 0:
+//    merge_here with two waves of blocks) the blocks take the rows depth by depth (blockIdx.y =
+//    depth * batch + request), so that the first wave holds every request's first depths, and
+//    each block of a depth below DDTREE_EARLY_DEPTHS resets its row's ready flag before it lets
+//    the select launch and raises it once the row is written (release order).
 // 2. ddtree_build_merge  grid (rows), block of any multiple of 32 threads up to MERGE_THREADS
 //    (the plan's merge_threads), dynamic shared memory
 //    (num_parts * K + 2 * sort_size) * 8 bytes. Gathers the row's non-pad candidates, combines
@@ -82,6 +86,13 @@
 //    back to the serial pops only when exact ties at the budget-th score outnumber half the
 //    store. Shared memory: the popped nodes, the shared frontier or the bulk select's store (one
 //    union), plus the per-depth log-prob table when it fits, plus the wide select's store.
+//    An early plan's select (128 threads, so that every request's block fits beside the second
+//    wave's top-k blocks) waits for the flags of its request's first DDTREE_EARLY_DEPTHS rows
+//    instead of the whole top-k launch, and pops over those depths alone when their rows show
+//    that no deeper node can enter the tree (ddtree_depths_suffice: the budget-th depth-1 token
+//    scores strictly above the chain of those depths' best tokens, or a depth among them has no
+//    possible token); else it waits for the launch and loads the other rows. Either way the
+//    pops are those over every depth, and every exit waits for the launch.
 //
 // Rules shared with the reference: x = logits.float() / temperature (true division), NaN -> -inf,
 // a row holding +inf gives its +inf tokens log-prob -log(count) and every other token -inf, an
@@ -119,6 +130,16 @@
 #ifndef SELECT_THREADS
 #define SELECT_THREADS 512  // 16 warps: the wide select's levels are block-parallel
 #endif
+// A block of fewer threads (an early select's 128) is asked to let 512 threads' worth share an
+// SM, which caps its registers at 128 a thread as 512 threads do.
+#if SELECT_THREADS < 512
+#define DDTREE_SELECT_BOUNDS __launch_bounds__(SELECT_THREADS, 512 / SELECT_THREADS)
+#else
+#define DDTREE_SELECT_BOUNDS __launch_bounds__(SELECT_THREADS)
+#endif
+#ifndef DDTREE_EARLY_DEPTHS
+#define DDTREE_EARLY_DEPTHS 0  // > 0: the select starts on the rows of the depths below it
+#endif
 #ifndef DDTREE_BULK_AFTER
 #define DDTREE_BULK_AFTER -1  // register select rounds before the bulk select (< 0: never)
 #endif
@@ -142,17 +163,28 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
     int32_t merge_here, int32_t sort_size,  // merge_here: one block per row merges it (below)
     float* __restrict__ topk_lp,            // [rows, top_k] (merge_here only, as the merge's)
     int32_t* __restrict__ topk_tok,         // [rows, top_k]
-    int32_t* __restrict__ topk_count) {     // [rows]
+    int32_t* __restrict__ topk_count,       // [rows]
+    int32_t batch, int32_t draft_len,       // early plans: rows taken depth by depth
+    int32_t* __restrict__ row_ready) {      // [rows] early plans: 1 once the row is written
   // [TOPK_WARPS, cap] candidate buffers, [TOPK_WARPS, DDTREE_HITS] hit vectors and their
   // [TOPK_WARPS, DDTREE_HITS] first tokens.
   extern __shared__ uint64_t smem[];
   __shared__ unsigned long long threshold;
   __shared__ uint32_t warp_bound[TOPK_WARPS];  // see the comment above; 0: none yet
   __shared__ uint32_t hist[TOPK_WARPS][256];
-  ddtree_allow_dependents();  // a dependent select may get its blocks resident early
+  // A dependent select may get its blocks resident early (early plans: once the flag is reset).
+  if (DDTREE_EARLY_DEPTHS == 0) ddtree_allow_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunk = blockIdx.x;
-  const int64_t row = blockIdx.y;
+  // Early plans (merge_here, one chunk a row) take the rows depth by depth, so that the first
+  // wave holds every request's first depths, and flag those of depths below
+  // DDTREE_EARLY_DEPTHS ready once written: reset here before the select may start (it starts
+  // once every block has passed ddtree_allow_dependents), raised after the row's writes.
+  const int64_t row = DDTREE_EARLY_DEPTHS > 0
+                          ? (int64_t)(blockIdx.y % batch) * draft_len + blockIdx.y / batch
+                          : (int64_t)blockIdx.y;
+  const bool flags_row =
+      DDTREE_EARLY_DEPTHS > 0 && (int)(blockIdx.y / batch) < DDTREE_EARLY_DEPTHS;
   // The span's first entry, the warp's first entry, and the end of the span whose steps the
   // warps share.
   const int span_begin = chunk * span;
@@ -164,13 +196,20 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   uint4* hit_vec = hit_vecs + warp * DDTREE_HITS;
   int32_t* hit_token =
       reinterpret_cast<int32_t*>(hit_vecs + TOPK_WARPS * DDTREE_HITS) + warp * DDTREE_HITS;
-  if (threadIdx.x == 0) threshold = DDTREE_FINITE_FLOOR;
+  if (threadIdx.x == 0) {
+    threshold = DDTREE_FINITE_FLOOR;
+    if (flags_row) {
+      *(volatile int32_t*)(row_ready + row) = 0;
+      __threadfence();
+    }
+  }
   // Block-uniform: every warp has a whole first step (a span holds at least TOPK_WARPS steps),
   // and j = ceil(K / warps) vectors of it.
   const bool first_threshold = (top_k + TOPK_WARPS - 1) / TOPK_WARPS <= 32 * UNROLL &&
                                span_begin + TOPK_WARPS * DDTREE_STEP <= vocab;
   if (lane == 0) warp_bound[warp] = 0;
   __syncthreads();
+  if (DDTREE_EARLY_DEPTHS > 0) ddtree_allow_dependents();
   float m = -DDTREE_INF, s = 0.0f, infs = 0.0f;
   int count;
   if (temperature == 1.0f) {
@@ -199,6 +238,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   if (merge_here) {
     ddtree_merge_here(cand, count, m, s, infs, smem, reinterpret_cast<uint64_t*>(hit_vecs), row,
                       top_k, sort_size, vocab, &hist[0][0], topk_lp, topk_tok, topk_count);
+    if (flags_row) ddtree_publish_flag(row_ready + row);
     return;
   }
   // Pads: composite 0, below every real composite (token 0xFFFFFFFF).
@@ -261,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
 #include "build_tree_select_wide.cuh"
 #include "build_tree_select_bulk.cuh"
 
-extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select(
+extern "C" __global__ void DDTREE_SELECT_BOUNDS ddtree_build_select(
     const float* __restrict__ topk_lp,      // [batch, draft_len, top_k]
     const int32_t* __restrict__ topk_tok,   // [batch, draft_len, top_k]
     const int32_t* __restrict__ topk_count, // [batch, draft_len]
@@ -276,9 +316,11 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
     int64_t* __restrict__ mask,       // [batch, num_nodes_max, words]
     int32_t vocab, int32_t draft_len, int32_t top_k, int32_t num_nodes_max, int32_t words,
     int32_t lp_in_smem, int32_t batch, int32_t all_or_nothing, int32_t wide_cap,
-    int32_t wide_min_budget, int32_t sort_size) {
-  // [draft_len, top_k] when lp_in_smem, then (16-byte aligned) the wide select's store when
-  // wide_cap > 0.
+    int32_t wide_min_budget, int32_t sort_size,
+    const int32_t* __restrict__ row_ready) {
+  // row_ready: [batch, draft_len], early plans (DDTREE_EARLY_DEPTHS > 0) only.
+  // lp_table: [draft_len, top_k] when lp_in_smem, then (16-byte aligned) the wide select's store
+  // when wide_cap > 0.
   extern __shared__ __align__(16) float lp_table[];
   __shared__ int16_t node_parent[DDTREE_MAX_NODES];
   __shared__ int16_t node_rank[DDTREE_MAX_NODES];
@@ -286,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   __shared__ float node_score[DDTREE_MAX_NODES];
   __shared__ ddtree_lex2 node_lex[DDTREE_REG_MAX_NODES];  // the register select's tie tuples
   __shared__ ddtree_select_store frontier;
-  __shared__ int counts[DDTREE_MAX_DEPTH + 1];  // 0 past draft_len
+  __shared__ int counts[DDTREE_MAX_DEPTH + 1];  // 0 past the depths in use
   __shared__ int skip, total;
   __shared__ int bulk_taken;  // the taken nodes when the bulk select listed the rest, else -1
   const int tid = threadIdx.x, lane = tid & 31;
@@ -297,30 +339,22 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   const int64_t root = root_tokens[b];
   const int requested = budgets[b];
   const int entry_flags = tid == 0 ? error_flags[b] : 0;
-  ddtree_wait_for_previous_grid();  // launched dependent: the top-k or merge may still run
+  // Early plans start on the request's first `early` depths as soon as the top-k has flagged
+  // their rows (while it streams the deeper ones); the pops keep to them when that gives the
+  // whole tree (ddtree_depths_suffice), else wait for the whole launch. Every exit waits for
+  // it: a grid may not end before the one it follows.
+  const int early = DDTREE_EARLY_DEPTHS > 0 ? min(DDTREE_EARLY_DEPTHS, draft_len) : 0;
+  if (early > 0) ddtree_wait_flags(row_ready + b * draft_len, early);  // a block barrier
+  if (early == 0) ddtree_wait_for_previous_grid();  // the top-k or merge may still run
   const float* lp_global = topk_lp + b * draft_len * (int64_t)top_k;
   const float* lp = lp_in_smem ? lp_table : lp_global;
-  if (lp_in_smem) {
-    // Eight loads in flight per thread before their stores (the pops read the table next).
-    const int n = draft_len * top_k;
-    for (int base = tid; base < n; base += 8 * SELECT_THREADS) {
-      float v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int i = base + u * SELECT_THREADS;
-        v[u] = i < n ? lp_global[i] : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int i = base + u * SELECT_THREADS;
-        if (i < n) lp_table[i] = v[u];
-      }
-    }
-  }
-  // Zero past draft_len: a last-depth node's missing child (key 0) asks counts[draft_len].
-  for (int i = tid; i <= DDTREE_MAX_DEPTH; i += blockDim.x) {
-    counts[i] = i < draft_len ? topk_count[b * draft_len + i] : 0;
-  }
+#if DDTREE_EARLY_DEPTHS > 0
+  int use = early;  // depths whose rows the pops use (the first `early`, or every one)
+#else
+  const int use = draft_len;  // (a variable only in early plans: the others compile as before)
+#endif
+  ddtree_select_load_rows(0, use, top_k, lp_in_smem, lp_global, topk_count + b * draft_len,
+                          lp_table, counts);
   if (tid == 0) {
     int flags = entry_flags;
     if (root < 0 || root >= vocab) {
@@ -343,16 +377,28 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
       const int64_t r = root_tokens[i];
       bad |= r < 0 || r >= vocab || error_flags[i] != 0;
     }
-    if (__syncthreads_or(bad)) return;
+    if (__syncthreads_or(bad)) {
+      if (early > 0) ddtree_wait_for_previous_grid();
+      return;
+    }
   } else {
     __syncthreads();
   }
   const int budget = skip ? 0 : min(max(requested, 0), num_nodes_max - 1);
+#if DDTREE_EARLY_DEPTHS > 0
+  if (use < draft_len && !ddtree_depths_suffice(use, budget, top_k, lp, counts)) {
+    ddtree_wait_for_previous_grid();  // the tree may reach deeper: every row is needed
+    ddtree_select_load_rows(use, draft_len, top_k, lp_in_smem, lp_global,
+                            topk_count + b * draft_len, lp_table, counts);
+    use = draft_len;
+    __syncthreads();
+  }
+#endif
 
   int popped = -1;
   if (wide_cap > 0 && budget >= wide_min_budget) {
     const int lp_floats = lp_in_smem ? (draft_len * top_k + 3) / 4 * 4 : 0;
-    popped = ddtree_select_pops_wide(budget, draft_len, top_k, lp, counts,
+    popped = ddtree_select_pops_wide(budget, use, top_k, lp, counts,
                                      reinterpret_cast<unsigned char*>(lp_table + lp_floats),
                                      wide_cap, sort_size, node_parent, node_rank, node_depth,
                                      node_score);
@@ -363,23 +409,21 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
     const auto bulk = [&](int taken) {
       if (DDTREE_BULK_AFTER < 0) return -1;
       const int listed =
-          ddtree_select_bulk_list(taken, budget, draft_len, top_k, lp, counts, node_parent,
-                                  node_rank, node_depth, node_score, node_lex, frontier.bulk);
+          ddtree_select_bulk_list(taken, budget, use, top_k, lp, counts, node_parent, node_rank,
+                                  node_depth, node_score, node_lex, frontier.bulk);
       if (listed < 0) return -1;
       if (lane == 0) bulk_taken = taken;
       return taken + min(budget - taken, listed);
     };
     if (budget <= 64) {
-      popped = ddtree_select_pops_registers<2>(budget, draft_len, top_k, lp, counts,
-                                               node_parent, node_rank, node_depth, node_score,
-                                               node_lex, bulk);
+      popped = ddtree_select_pops_registers<2>(budget, use, top_k, lp, counts, node_parent,
+                                               node_rank, node_depth, node_score, node_lex, bulk);
     } else if (budget <= 96) {
-      popped = ddtree_select_pops_registers<3>(budget, draft_len, top_k, lp, counts,
-                                               node_parent, node_rank, node_depth, node_score,
-                                               node_lex, bulk);
+      popped = ddtree_select_pops_registers<3>(budget, use, top_k, lp, counts, node_parent,
+                                               node_rank, node_depth, node_score, node_lex, bulk);
     } else {
-      popped = ddtree_select_pops_shared(budget, draft_len, top_k, lp, counts, node_parent,
-                                         node_rank, node_depth, node_score, frontier.shared);
+      popped = ddtree_select_pops_shared(budget, use, top_k, lp, counts, node_parent, node_rank,
+                                         node_depth, node_score, frontier.shared);
     }
     if (lane == 0) total = 1 + popped;
   }
@@ -391,4 +435,5 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_build_select
   ddtree_select_write(total, b, root, topk_tok, draft_len, top_k, num_nodes_max, words,
                       node_parent, node_rank, node_depth, node_score, tokens, parents, depths,
                       log_probs, num_nodes, mask);
+  if (early > 0) ddtree_wait_for_previous_grid();
 }

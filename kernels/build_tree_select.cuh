@@ -159,6 +159,74 @@ __device__ void ddtree_select_write(int count, int64_t b, int64_t root,
   }
 }
 
+// An early plan's select waits until the top-k has flagged the request's rows of depths 0 ..
+// n - 1 (n <= 32) written: warp 0 reads the flags (ddtree_publish_flag's release) with acquire
+// order, and a block barrier hands the rows to the other warps. Every thread calls it.
+__device__ void ddtree_wait_flags(const int32_t* ready, int n) {
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    bool seen = lane >= n;
+    for (;;) {
+      if (!seen) seen = ddtree_load_acquire(ready + lane) != 0;
+      if (__all_sync(DDTREE_FULL, seen)) break;
+      __nanosleep(128);
+    }
+  }
+  __syncthreads();
+}
+
+// Whether the tree popped over the first `use` depths is the tree popped over every depth, by
+// what those depths' rows alone tell. A node deeper than `use` descends from one at depth `use`
+// and scores at most what it scores (log-probs are at most 0, and adding one to an fp32 score
+// never raises it), and no node at depth `use` scores more than the chain of each depth's best
+// token (sums round monotonically; summed here as the pops sum scores). The budget-th pop
+// scores at least the budget-th best depth-1 node. So no deeper node can enter when some depth
+// up to `use` has no possible token, or when depth 1 holds `budget` nodes and the budget-th of
+// them scores strictly above that chain (an equal score would be decided by rank tuples).
+// Every thread may call it; all get the same answer from the same shared data.
+__device__ bool ddtree_depths_suffice(int use, int budget, int top_k, const float* lp,
+                                      const int* counts) {
+  if (budget == 0) return true;
+  float chain = 0.0f;
+  for (int d = 0; d < use; ++d) {
+    if (counts[d] == 0) return true;  // no node deeper than d
+    chain = chain + lp[d * top_k] + 0.0f;
+  }
+  return counts[0] >= budget && lp[budget - 1] > chain;
+}
+
+// The rows of depths [from, to) of one request: their log-prob rows into the table (when
+// lp_in_smem) and their counts of possible tokens (counts[i] 0 from `to` on: a last-depth
+// node's missing child, key 0, asks counts[to]). It writes nothing below depth `from`, which
+// other threads may still read. Every thread calls it; a barrier must follow before the pops
+// read them.
+__device__ __forceinline__ void ddtree_select_load_rows(int from, int to, int top_k,
+                                                        int lp_in_smem, const float* lp_global,
+                                                        const int32_t* row_counts,
+                                                        float* lp_table, int* counts) {
+  const int tid = threadIdx.x;
+  if (lp_in_smem) {
+    // Eight loads in flight per thread before their stores (the pops read the table next).
+    const int n = to * top_k;
+    for (int base = from * top_k + tid; base < n; base += 8 * SELECT_THREADS) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = base + u * SELECT_THREADS;
+        v[u] = i < n ? lp_global[i] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = base + u * SELECT_THREADS;
+        if (i < n) lp_table[i] = v[u];
+      }
+    }
+  }
+  for (int i = from + threadIdx.x; i <= DDTREE_MAX_DEPTH; i += blockDim.x) {
+    counts[i] = i < to ? row_counts[i] : 0;
+  }
+}
+
 // A frontier candidate: score key (0: no candidate), packed (parent, rank, depth), packed
 // rank-tuple prefix.
 struct ddtree_cand {

@@ -449,11 +449,11 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS)
                               int32_t vocab, int32_t span, int32_t top_k, int32_t cap,
                               int32_t vectorized, uint64_t* part_keys, float* part_stats,
                               int32_t merge_here, int32_t sort_size, float* topk_lp,
-                              int32_t* topk_tok, int32_t* topk_count) {
+                              int32_t* topk_tok, int32_t* topk_count, int32_t* row_ready) {
   if (a->status != 0 || blockIdx.y >= (unsigned)(a->batch_size * draft_len)) return;
   ddtree_build_topk((const ddtree_logit_t*)a->ptr[DDTREE_B_LOGITS], a->temperature, vocab, span,
                     top_k, cap, vectorized, part_keys, part_stats, merge_here, sort_size, topk_lp,
-                    topk_tok, topk_count);
+                    topk_tok, topk_count, a->batch_size, draft_len, row_ready);
 }
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_channel_build_merge(
@@ -465,11 +465,13 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_channel_build
                      topk_count);
 }
 
-extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_channel_build_select(
-    const DdtreeChannelArgs* __restrict__ a, const float* topk_lp, const int32_t* topk_tok,
-    const int32_t* topk_count, int32_t vocab, int32_t draft_len, int32_t top_k,
-    int32_t num_nodes_max, int32_t words, int32_t lp_in_smem, int32_t wide_cap,
-    int32_t wide_min_budget, int32_t sort_size) {
+extern "C" __global__ void DDTREE_SELECT_BOUNDS
+    ddtree_channel_build_select(const DdtreeChannelArgs* __restrict__ a, const float* topk_lp,
+                                const int32_t* topk_tok, const int32_t* topk_count, int32_t vocab,
+                                int32_t draft_len, int32_t top_k, int32_t num_nodes_max,
+                                int32_t words, int32_t lp_in_smem, int32_t wide_cap,
+                                int32_t wide_min_budget, int32_t sort_size,
+                                const int32_t* row_ready) {
   if (a->status != 0 || blockIdx.x >= (unsigned)a->batch_size) return;
   ddtree_build_select(topk_lp, topk_tok, topk_count, (const int64_t*)a->ptr[DDTREE_B_ROOTS],
                       (const int32_t*)a->ptr[DDTREE_B_BUDGETS], (int32_t*)a->ptr[DDTREE_B_FLAGS],
@@ -477,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS) ddtree_channel_buil
                       (int32_t*)a->ptr[DDTREE_B_DEPTHS], (float*)a->ptr[DDTREE_B_LOG_PROBS],
                       (int32_t*)a->ptr[DDTREE_B_NUM_NODES], (int64_t*)a->ptr[DDTREE_B_MASK],
                       vocab, draft_len, top_k, num_nodes_max, words, lp_in_smem, a->batch_size,
-                      0, wide_cap, wide_min_budget, sort_size);
+                      0, wide_cap, wide_min_budget, sort_size, row_ready);
 }
 #endif
 

@@ -489,6 +489,7 @@ class ChannelDevice:
             self._scratch.topk_lp,
             self._scratch.topk_tok,
             self._scratch.topk_count,
+            self._scratch.row_ready,
             device=index,
         )
         if not plan.merge_here:
@@ -524,6 +525,7 @@ class ChannelDevice:
             _i32(plan.wide_cap),
             _i32(plan.wide_min_budget),
             _i32(plan.wide_sort_size),
+            self._scratch.row_ready,
             device=index,
         )
 

@@ -66,6 +66,25 @@ __device__ __forceinline__ void ddtree_allow_dependents() {
 #endif
 }
 
+// A flag another grid raises with ddtree_publish_flag, read at GPU scope with acquire order:
+// once it reads non-zero, what the publishing block wrote before is visible to this thread (and,
+// after a block barrier, to its block).
+__device__ __forceinline__ int ddtree_load_acquire(const int32_t* flag) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+// Raises `*flag` once every thread of the block has written what it guards (every thread calls
+// it: each thread's fence, then a barrier, then one store with release order).
+__device__ __forceinline__ void ddtree_publish_flag(int32_t* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
+  }
+}
+
 __device__ __forceinline__ float ddtree_to_float(float x) { return x; }
 __device__ __forceinline__ float ddtree_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float ddtree_to_float(__half x) { return __half2float(x); }

@@ -78,6 +78,11 @@ _MERGE_RESIDENT = 2048 // _MERGE_THREADS
 _SELECT_THREADS = 512
 """Threads of a select block: the serial pops use one warp, the wide select all of them (H200,
 B 32 budget 256, the wide select launch alone: 31 us at 512 threads, 40 at 1024; session 14)."""
+_EARLY_SELECT_THREADS = 128
+"""Threads of an early plan's select block (``early_depths``): small enough that two fit beside
+a top-k block on an SM the last wave leaves half empty (the select's registers are capped at
+128 a thread, as with 512 threads), so that every request's select runs while the top-k still
+streams the deeper rows."""
 _WIDE_MIN_BUDGET = 97
 """Budgets from this many nodes take the wide select; smaller ones pop serially from registers
 (build_tree_select.cuh). On the H200 the wide select won at budget 96 but lost at 16 and, on peaked
@@ -177,9 +182,25 @@ class BuildTreePlan:
     """Register select rounds before the bulk select may take a request's remaining budget
     (``DDTREE_BULK_AFTER``): 0 for the batches and budgets of ``_BULK_MIN_BATCH`` and
     ``_BULK_MIN_BUDGET``, else -1 (never)."""
+    early_depths: int
+    """Depths whose rows the select may start on before the top-k ends (``DDTREE_EARLY_DEPTHS``;
+    0: none, the select waits for the whole launch). Where the rows take two waves of top-k
+    blocks that merge their rows, and no wide select: the top-k takes the rows depth by depth,
+    flags those of the first ``early_depths`` depths (the rows the first wave holds:
+    ``resident slots // batch``) once written, and the select pops over them while the second
+    wave streams, falling back to every row only when the tree may reach deeper
+    (build_tree.cu)."""
     topk: jit.LaunchParams
     merge: jit.LaunchParams
     select: jit.LaunchParams
+
+    def __post_init__(self) -> None:
+        # The top-k blocks flag the rows an early select waits for only when they write them
+        # (merging their own rows); with a merge launch such a select would wait forever.
+        if self.early_depths and not (self.merge_here and self.num_chunks == 1):
+            raise ValueError("early_depths: an early select needs rows merged in top-k blocks")
+        if not 0 <= self.early_depths <= MAX_DRAFT_LEN:
+            raise ValueError(f"early_depths: expected 0..{MAX_DRAFT_LEN}, got {self.early_depths}")
 
     @property
     def defines(self) -> dict[str, int]:
@@ -193,6 +214,8 @@ class BuildTreePlan:
             "DDTREE_EXPAND_AT": self.expand_at,
             "DDTREE_MERGE_RANKS": int(self.merge_ranks),
             "DDTREE_BULK_AFTER": self.bulk_after,
+            "DDTREE_EARLY_DEPTHS": self.early_depths,
+            "SELECT_THREADS": self.select.block[0],
         }
 
 
@@ -315,6 +338,10 @@ def build_tree_plan(
     select_smem = (lp_table if lp_in_smem else 0) + (
         wide_select_bytes(wide_cap, wide_sort_size) if wide_cap else 0
     )
+    slots = num_sms * resident
+    two_waves = merge_here and rows > slots and wide_cap == 0
+    early_depths = min(draft_len, slots // batch_size) if two_waves else 0
+    select_threads = _EARLY_SELECT_THREADS if early_depths else _SELECT_THREADS
     return BuildTreePlan(
         top_k=top_k,
         warps=warps,
@@ -334,10 +361,11 @@ def build_tree_plan(
         wide_min_budget=_WIDE_MIN_BUDGET,
         wide_sort_size=wide_sort_size,
         bulk_after=0 if batch_size >= _BULK_MIN_BATCH and max_budget >= _BULK_MIN_BUDGET else -1,
+        early_depths=early_depths,
         topk=jit.LaunchParams((num_chunks, rows, 1), (warps * 32, 1, 1), topk_smem),
         merge=jit.LaunchParams((rows, 1, 1), (merge_threads, 1, 1), merge_smem),
         select=jit.LaunchParams(
-            (batch_size, 1, 1), (_SELECT_THREADS, 1, 1), select_smem, dependent=True
+            (batch_size, 1, 1), (select_threads, 1, 1), select_smem, dependent=True
         ),
     )
 
@@ -511,6 +539,9 @@ class BuildScratch:
     """[rows, num_parts, top_k] uint64 candidate composites (empty with ``plan.merge_here``)."""
     part_stats: int
     """[rows, num_parts, 3] fp32 statistics (empty with ``plan.merge_here``)."""
+    row_ready: int
+    """[rows] int32 flags of the rows written, for an early select (``plan.early_depths``; the
+    top-k resets and raises them itself, so they need no initial value)."""
 
 
 def build_scratch(plan: BuildTreePlan, rows: int, device: torch.device) -> BuildScratch:
@@ -520,14 +551,20 @@ def build_scratch(plan: BuildTreePlan, rows: int, device: torch.device) -> Build
     parts = 0 if plan.merge_here else rows * plan.num_parts
     part_bytes = _align(parts * plan.top_k * 8)
     stats_bytes = _align(parts * 3 * 4)
+    ready_bytes = count_bytes if plan.early_depths else 0
     memory = torch.empty(
-        2 * lp_bytes + count_bytes + part_bytes + stats_bytes, dtype=torch.uint8, device=device
+        2 * lp_bytes + count_bytes + part_bytes + stats_bytes + ready_bytes,
+        dtype=torch.uint8,
+        device=device,
     )
     topk_lp = memory.data_ptr()
     topk_tok = topk_lp + lp_bytes
     topk_count = topk_tok + lp_bytes
     part_keys = topk_count + count_bytes
-    return BuildScratch(memory, topk_lp, topk_tok, topk_count, part_keys, part_keys + part_bytes)
+    part_stats = part_keys + part_bytes
+    return BuildScratch(
+        memory, topk_lp, topk_tok, topk_count, part_keys, part_stats, part_stats + stats_bytes
+    )
 
 
 def build_tree(
@@ -605,6 +642,9 @@ def build_tree(
             scratch.topk_lp,
             scratch.topk_tok,
             scratch.topk_count,
+            _i32(batch_size),
+            _i32(draft_len),
+            scratch.row_ready,
             device=index,
         )
         if not plan.merge_here:
@@ -648,6 +688,7 @@ def build_tree(
             _i32(plan.wide_cap),
             _i32(plan.wide_min_budget),
             _i32(plan.wide_sort_size),
+            scratch.row_ready,
             device=index,
         )
     return tree

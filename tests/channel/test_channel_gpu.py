@@ -33,7 +33,7 @@ from ddtree import kernels
 from ddtree.clients import Client, KvCommit
 from ddtree.clients.channel import Channel, ChannelLostError
 from ddtree.kernels import channel as ch
-from ddtree.kernels import channel_cuda
+from ddtree.kernels import channel_cuda, tree_cuda
 from ddtree.kernels.channel import (
     ChannelOp,
     ChannelShape,
@@ -184,7 +184,10 @@ def _assert_same_trees(actual: Tree, expected: Tree, *, exact: bool) -> None:
         assert not exact, (
             f"request {b}: {[n for n, (x, y) in rows.items() if not torch.equal(x, y)]}"
         )
-        one = Tree(**{n: getattr(expected, n)[b : b + 1] for n in TREE_FIELDS}, draft_len=DRAFT_LEN)
+        one = Tree(
+            **{n: getattr(expected, n)[b : b + 1] for n in TREE_FIELDS},
+            draft_len=expected.draft_len,
+        )
         assert has_near_ties(one), f"request {b} differs without near ties"
         torch.testing.assert_close(
             rows["log_probs"][0].sort().values, rows["log_probs"][1].sort().values
@@ -290,6 +293,35 @@ def test_steps_match_the_rpcs(server: ServerProcess, client: Client) -> None:
             _assert_same_acceptance(walked, want, f"step {step}")
             steps += 2
     assert steps == 1000
+
+
+def test_builds_of_an_early_select_match_the_rpcs(server: ServerProcess, client: Client) -> None:
+    """A channel whose plan starts the select on the first depths (batch 32, draft_len 16: two
+    waves of top-k blocks, tree_cuda's early_depths) takes its rows depth by depth over the
+    step's own batch; its trees equal the RPCs' on shallow trees (random rows) and deep ones
+    (peaked rows, where the select waits for every row), at full and partial batches."""
+    max_batch, draft_len, budget = 32, 16, 64
+    plan = tree_cuda.build_tree_plan(max_batch, draft_len, VOCAB, budget)
+    assert plan.early_depths > 0
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.empty((max_batch, draft_len, VOCAB), dtype=torch.bfloat16, device="cuda")
+    roots = torch.randint(0, VOCAB, (max_batch,), generator=generator, device="cuda")
+    with Channel(
+        server.address,
+        op="build_tree",
+        max_batch_size=max_batch,
+        draft_len=draft_len,
+        max_budget=budget,
+        vocab_size=VOCAB,
+        tensors=[logits, roots],
+    ) as build:
+        for step, (batch, scale) in enumerate([(32, 3.0), (20, 3.0), (32, 12.0), (7, 12.0)]):
+            rows = torch.randn((max_batch, draft_len, VOCAB), generator=generator, device="cuda")
+            logits.copy_(rows * scale)
+            tree = build.build_tree(logits[:batch], roots[:batch], budget)
+            expected = client.build_tree(logits[:batch], roots[:batch], budget, model="rpc")
+            assert build.last_status().status == StepStatus.OK, step
+            _assert_same_trees(tree, expected, exact=batch == max_batch)
 
 
 def _scrape(port: int) -> dict[str, float]:

@@ -25,11 +25,13 @@ _VARIANTS = {
             "DDTREE_BULK_AFTER": bulk,
             "DDTREE_EXPAND_AT": expand_at,
             "DDTREE_MERGE_RANKS": ranks,
+            "DDTREE_EARLY_DEPTHS": early,
+            "SELECT_THREADS": 128 if early else 512,
         }
-        for dtype, warps, unroll, blocks, bulk, expand_at, ranks in (
-            (0, 8, 2, 4, 0, 128, 1),
-            (1, 4, 4, 2, 4, 128, 1),
-            (2, 8, 2, 4, -1, 32, 0),
+        for dtype, warps, unroll, blocks, bulk, expand_at, ranks, early in (
+            (0, 8, 2, 4, 0, 128, 1, 8),
+            (1, 4, 4, 2, 4, 128, 1, 0),
+            (2, 8, 2, 4, -1, 32, 0, 0),
         )
     ],
     "accept.cu": [
@@ -40,7 +42,14 @@ _VARIANTS = {
     # commit_kv.cu (target tokens: 256 threads; target logits: 1024).
     "channel.cu": [
         {},
-        {"DDTREE_CHANNEL_OP": 1, "DDTREE_DTYPE": 1, "TOPK_WARPS": 8, "UNROLL": 2},
+        {
+            "DDTREE_CHANNEL_OP": 1,
+            "DDTREE_DTYPE": 1,
+            "TOPK_WARPS": 8,
+            "UNROLL": 2,
+            "DDTREE_EARLY_DEPTHS": 8,
+            "SELECT_THREADS": 128,
+        },
         {"DDTREE_CHANNEL_OP": 1, "DDTREE_DTYPE": 0, "TOPK_WARPS": 4, "UNROLL": 2},
         {"DDTREE_CHANNEL_OP": 2, "DDTREE_DTYPE": 0, "ACCEPT_THREADS": 256, "COLS_PER_BLOCK": 64},
         {"DDTREE_CHANNEL_OP": 2, "DDTREE_DTYPE": 2, "ACCEPT_THREADS": 1024, "COLS_PER_BLOCK": 64},

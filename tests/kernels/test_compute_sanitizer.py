@@ -5,8 +5,9 @@ the ddtree kernels instrumented (``--kernel-name kns=ddtree_``), and must report
 set is small cases that together take every kernel path: each top-k geometry and its merge,
 rows sorted ascending (nearly every vector a hit, the candidate buffers shrunk all along the
 row), the register select with and without exact ties (both copies of its pop loop, and ties
-past the depths its tuples pack), the bulk select and its fallback, the serial select in shared
-memory, the wide select and its fallback, budget 1 and 1024, draft_len 32, non-finite rows, the
+past the depths its tuples pack), the bulk select and its fallback, the early select (on the
+first depths' flagged rows) and its fallback, the serial select in shared memory, the wide
+select and its fallback, budget 1 and 1024, draft_len 32, non-finite rows, the
 all-or-nothing writes into ``out``, accept in its three modes, commit_kv and verify_attention.
 Those tests check their outputs against the reference as usual; the sanitizer adds what a
 wrong index could do without changing an output:
@@ -42,6 +43,7 @@ _CASES = [
     f"{_TREE}::test_build_tree_matches_reference[B3-L7-V1001-b7-f16-ties]",
     f"{_TREE}::test_build_tree_rows_whose_token_ids_order_their_values[2-ascending]",
     f"{_TREE}::test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch[peaked]",
+    f"{_TREE}::test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch[random]",
     f"{_TREE}::test_build_tree_wide_select_matches_the_serial_select[8-flat]",
     f"{_TREE}::test_build_tree_wide_select_matches_the_serial_select[3000-ties]",
     f"{_TREE}::test_build_tree_bulk_select_matches_the_serial_select[3000-16-ties]",

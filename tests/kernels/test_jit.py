@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -184,6 +185,10 @@ def test_build_tree_plan_covers_the_vocabulary(
         "DDTREE_MERGE_RANKS": int(plan.merge_here and plan.top_k >= 17),
         # The bulk select from the first round for batches of 4 and budgets of 32 on.
         "DDTREE_BULK_AFTER": 0 if batch_size >= 4 and max_budget >= 32 else -1,
+        # The select starts on the first depths' rows where they take two waves of merging
+        # top-k blocks (test_build_tree_plan_starts_the_select_early_where_...), in 128 threads.
+        "DDTREE_EARLY_DEPTHS": plan.early_depths,
+        "SELECT_THREADS": 128 if plan.early_depths else 512,
     }
     assert plan.topk.grid == (plan.num_chunks, rows, 1)
     assert plan.topk.block == (plan.warps * 32, 1, 1)
@@ -208,6 +213,7 @@ def test_build_tree_plan_covers_the_vocabulary(
     room = 20 * 32 * (plan.unroll + 1)
     assert plan.merge_here == (plan.num_chunks == 1 and waves_ok and 8 * plan.top_k <= room)
     assert plan.select.grid == (batch_size, 1, 1)
+    assert plan.select.block == (plan.defines["SELECT_THREADS"], 1, 1)
     lp_table = -(-draft_len * plan.top_k * 4 // 16) * 16 if plan.lp_in_smem else 0
     wide = tree_cuda.wide_select_bytes(plan.wide_cap, plan.wide_sort_size) if plan.wide_cap else 0
     assert plan.select.shared_mem_bytes == lp_table + wide
@@ -328,15 +334,43 @@ def test_build_tree_plan_gives_the_wide_select_a_store() -> None:
     assert plan(32, 16, 163840, 1024, max_smem_bytes=63 * 1024).wide_cap == 0  # sm_120
 
 
+def test_build_tree_plan_starts_the_select_early_where_the_rows_take_two_waves() -> None:
+    plan = tree_cuda.build_tree_plan
+    # Two waves of 264 eight-warp blocks that merge their rows: the first holds every request's
+    # first 264 // batch depths, and two 128-thread select blocks fit beside a top-k block.
+    early = plan(32, 16, 163840, 64)
+    assert (early.early_depths, early.select.block) == (8, (128, 1, 1))
+    assert early.defines["DDTREE_EARLY_DEPTHS"] == 8 and early.defines["SELECT_THREADS"] == 128
+    # (Batch 16: one wave; batch 33: one wave of four-warp blocks.)
+    assert [plan(b, 16, 163840, 64).early_depths for b in (16, 17, 24, 32, 33)] == [
+        0,
+        15,
+        11,
+        8,
+        0,
+    ]
+    assert plan(24, 16, 163840, 96).early_depths == 11
+    # One wave of four-warp blocks (budget 16), a merge launch (batch 128), the wide select
+    # (budgets from 97): the select waits for the whole launch, with 512 threads.
+    for late in (plan(32, 16, 163840, 16), plan(128, 16, 163840, 64), plan(32, 16, 163840, 97)):
+        assert (late.early_depths, late.select.block) == (0, (512, 1, 1))
+        assert late.defines["DDTREE_EARLY_DEPTHS"] == 0 and late.defines["SELECT_THREADS"] == 512
+    # Only rows that their top-k blocks write can be flagged.
+    with pytest.raises(ValueError, match="early_depths"):
+        dataclasses.replace(early, merge_here=False)
+
+
 @pytest.mark.parametrize("batch_size", [32, 128], ids=["merge-here", "merge-launch"])
 def test_build_scratch_lays_out_the_plans_regions(batch_size: int) -> None:
     plan = tree_cuda.build_tree_plan(batch_size, 16, 163840, 64)
     rows = batch_size * 16
     scratch = tree_cuda.build_scratch(plan, rows, torch.device("cpu"))
     parts = 0 if plan.merge_here else rows * plan.num_parts
-    sizes = [rows * 64 * 4, rows * 64 * 4, rows * 4, parts * 64 * 8, parts * 3 * 4]
+    ready = rows * 4 if plan.early_depths else 0
+    sizes = [rows * 64 * 4, rows * 64 * 4, rows * 4, parts * 64 * 8, parts * 3 * 4, ready]
     starts = [scratch.topk_lp, scratch.topk_tok, scratch.topk_count, scratch.part_keys]
-    starts += [scratch.part_stats, scratch.memory.data_ptr() + scratch.memory.numel()]
+    starts += [scratch.part_stats, scratch.row_ready]
+    starts += [scratch.memory.data_ptr() + scratch.memory.numel()]
     assert starts[0] == scratch.memory.data_ptr()
     for size, start, end in zip(sizes, starts[:-1], starts[1:], strict=True):
         assert end - start == -(-size // 256) * 256  # each region 256-byte aligned, in order
@@ -367,18 +401,28 @@ def test_accept_and_commit_launch_params() -> None:
         tree_cuda.commit_kv_launch_params(5, 72 * 2 + 2)
 
 
-def _before_wait(source: str, kernel: str) -> list[str]:
-    """The statements of a kernel's body before its ddtree_wait_for_previous_grid(), without
-    comments and shared-memory declarations."""
+def _body(source: str, kernel: str) -> list[str]:
+    """The statements of a kernel's body, without comments and shared-memory declarations."""
     start = source.index(f" {kernel}(")
     body = source[source.index(") {\n", start) + 4 :]
     statements = []
     for line in body.splitlines():
-        code = line.split("//")[0].strip()
-        if code == "ddtree_wait_for_previous_grid();":
+        if line.startswith("}"):
             return statements
+        code = line.split("//")[0].strip()
         if code and not code.startswith(("__shared__", "extern __shared__")):
             statements.append(code)
+    raise AssertionError(f"{kernel} has no end")
+
+
+def _before_wait(source: str, kernel: str) -> list[str]:
+    """The statements of a kernel's body before its first ddtree_wait_for_previous_grid(),
+    without comments and shared-memory declarations."""
+    statements = []
+    for code in _body(source, kernel):
+        if code.endswith("ddtree_wait_for_previous_grid();"):
+            return statements
+        statements.append(code)
     raise AssertionError(f"{kernel} does not wait for the kernel before it")
 
 
@@ -394,12 +438,23 @@ def test_dependent_launches_wait_for_the_kernel_before_them() -> None:
     sources = {name: jit.load_source(name) for name in jit.kernel_sources()}
     for file, kernel in [("accept.cu", "ddtree_accept"), ("commit_kv.cu", "ddtree_commit_kv")]:
         assert _before_wait(sources[file], kernel) == []
-    # Before its wait the select only declares locals, and reads only the caller's data that
-    # neither the top-k nor the merge touches.
+    # Before its wait the select only declares locals, reads only the caller's data that
+    # neither the top-k nor the merge touches and, in early plans, waits for the rows the top-k
+    # flags (and then waits for the grid only where the tree may reach deeper, and at the end).
+    body = _body(sources["build_tree.cu"], "ddtree_build_select")
     before = _before_wait(sources["build_tree.cu"], "ddtree_build_select")
-    assert all(statement.startswith("const ") for statement in before)
-    read = set(re.findall(r"(\w+)\[", " ".join(before)))
+    flag_wait = "if (early > 0) ddtree_wait_flags(row_ready + b * draft_len, early);"
+    assert before[-1] == flag_wait
+    assert all(statement.startswith("const ") for statement in before[:-1])
+    read = set(re.findall(r"(\w+)\[", " ".join(before[:-1])))
     assert read == {"root_tokens", "budgets", "error_flags"}
+    assert body[len(before)] == "if (early == 0) ddtree_wait_for_previous_grid();"
+    # An early select may end before the top-k does: every way out waits for it first.
+    exits = [i for i, statement in enumerate(body) if statement == "return;"]
+    assert exits and all(
+        body[i - 1] == "if (early > 0) ddtree_wait_for_previous_grid();" for i in exits
+    )
+    assert body[-1] == "if (early > 0) ddtree_wait_for_previous_grid();"
 
 
 @needs_nvrtc

@@ -98,6 +98,10 @@ _BUILD_CASES = [
     # four-warp blocks, three per SM, expanding hits late; and fewer rows, unsplit.
     (16, 16, 163840, 540, "bf16", "random"),
     (6, 16, 163840, 520, "f16", "random"),
+    # Two waves of top-k blocks that merge their rows: the select starts on the first depths
+    # (tree_cuda's early_depths), which suffice on random rows and not on peaked ones.
+    (32, 16, 163840, 64, "bf16", "random"),
+    (24, 16, 163840, 96, "f16", "peaked"),
     (4, 6, 2000, 65, "f32", "ties"),
     (4, 6, 2000, 65, "f32", "flat"),
     (4, 6, 2000, 65, "bf16", "peaked"),
@@ -209,6 +213,13 @@ def _styled_bf16_logits(
     return logits.cuda()
 
 
+def _not_early(plan: tree_cuda.BuildTreePlan) -> dict[str, object]:
+    """The fields that make ``plan``'s select wait for the whole top-k launch (and take its
+    usual 512 threads) instead of starting on the first depths."""
+    select = dataclasses.replace(plan.select, block=(512, 1, 1))
+    return {"early_depths": 0, "select": select}
+
+
 def _build_with_plan(
     monkeypatch: pytest.MonkeyPatch, change: dict[str, object], *args: object, **kwargs: object
 ) -> Tree:
@@ -237,12 +248,12 @@ def test_build_tree_merge_in_the_topk_blocks_matches_the_merge_launch(
     roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
     planned = tree_cuda.device_build_tree_plan
     for budget in (1, 64, 400):
-        assert planned(batch_size, draft_len, vocab_size, budget, 2, 0).merge_here
+        plan = planned(batch_size, draft_len, vocab_size, budget, 2, 0)
+        assert plan.merge_here
         _poison_allocator()
         here = tree_cuda.build_tree(logits, roots, budget, temperature=0.9)
-        launched = _build_with_plan(
-            monkeypatch, {"merge_here": False}, logits, roots, budget, temperature=0.9
-        )
+        change = {"merge_here": False, **_not_early(plan)}
+        launched = _build_with_plan(monkeypatch, change, logits, roots, budget, temperature=0.9)
         assert_same_tree(here, launched)
 
 
@@ -305,6 +316,44 @@ def test_build_tree_bulk_select_matches_the_serial_select(
     serial = build(-1)
     for bulk_after in (0, 4, 16):
         assert_same_tree(build(bulk_after), serial)
+
+
+@pytest.mark.parametrize("style", ["random", "ties", "flat", "peaked", "non-finite"])
+def test_build_tree_early_select_matches_the_select_after_the_top_k(
+    style: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An early plan's top-k takes the rows depth by depth and flags those of the first
+    ``early_depths`` depths; its select starts on them and pops over every depth only when the
+    tree may reach deeper. Its trees must be bit for bit those of the select after the whole
+    top-k launch, at ragged budgets 0..96, with 1 to draft_len early depths: where the first
+    depths suffice (shallow trees) and where they do not (peaked rows: deep chains)."""
+    batch_size, draft_len, vocab_size = 12, 16, 3000
+    logits = _styled_bf16_logits(batch_size, draft_len, vocab_size, style, seed=37)
+    roots = torch.randint(0, vocab_size, (batch_size,), device="cuda")
+    budgets = torch.tensor([0, 1, 2, 7, 31, 32, 33, 63, 64, 65, 95, 96], device="cuda")
+    plan = tree_cuda.device_build_tree_plan(batch_size, draft_len, vocab_size, 96, 2, 0)
+    assert plan.merge_here and plan.wide_cap == 0
+
+    def build(change: dict[str, object]) -> Tree:
+        return _build_with_plan(
+            monkeypatch, change, logits, roots, budgets, temperature=0.9, max_budget=96
+        )
+
+    after = build(_not_early(plan))
+    early_select = dataclasses.replace(plan.select, block=(128, 1, 1))
+    for early_depths in (1, 2, 4, draft_len):
+        assert_same_tree(build({"early_depths": early_depths, "select": early_select}), after)
+    # Both ways are taken at four early depths (budgets of 31 and more): the first depths
+    # suffice when every node scores above the chain of the four depths' best tokens.
+    best = torch.log_softmax(logits.float() / 0.9, dim=-1).amax(dim=-1)  # [batch, draft_len]
+    nodes = torch.arange(after.num_nodes_max, device="cuda")
+    popped = (nodes > 0) & (nodes < after.num_nodes[:, None])
+    lowest = torch.where(popped, after.log_probs, torch.inf).amin(dim=1)
+    stands = (lowest > best[:, :4].sum(dim=1)) & (after.num_nodes - 1 == budgets)
+    if style == "random":
+        assert bool(stands[budgets >= 31].any())
+    if style == "peaked":
+        assert not bool(stands[budgets >= 31].any())
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
@@ -442,9 +491,10 @@ def test_build_tree_out_is_untouched_when_any_request_is_flagged(
     _assert_same_tree(out, reference.build_tree(logits, roots, 9), exact_order=True)
 
 
-def test_build_tree_out_is_captured_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("batch_size", [8, 32])  # a merge launch; an early select
+def test_build_tree_out_is_captured_in_a_cuda_graph(batch_size: int) -> None:
     """The server replays a captured build into caller memory: new logits, same buffers."""
-    batch_size, draft_len, vocab_size, budget = 8, 16, 163840, 64
+    draft_len, vocab_size, budget = 16, 163840, 64
     logits = draft_logits(
         batch_size, draft_len, vocab_size, seed=31, dtype=torch.bfloat16, device="cuda"
     )
@@ -467,7 +517,7 @@ def test_build_tree_out_is_captured_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert is_poisoned(out)
-    assert flags.tolist() == [0, 0, 0, int(ErrorFlag.TOKEN), 0, 0, 0, 0]
+    assert flags.tolist() == [int(ErrorFlag.TOKEN) if b == 3 else 0 for b in range(batch_size)]
 
 
 @pytest.mark.parametrize("shape", ["chain", "star", "random", "mixed"])
