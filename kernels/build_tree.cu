@@ -140,6 +140,14 @@
 #ifndef DDTREE_EARLY_DEPTHS
 #define DDTREE_EARLY_DEPTHS 0  // > 0: the select starts on the rows of the depths below it
 #endif
+// The top-k's rows, as the select reads them. An early select reads them while the top-k may
+// still write other rows, so they are not read-only for its lifetime there: without
+// __restrict__ they are never loaded through the read-only (non-coherent) data path.
+#if DDTREE_EARLY_DEPTHS > 0
+#define DDTREE_TOPK_ROWS
+#else
+#define DDTREE_TOPK_ROWS __restrict__
+#endif
 #ifndef DDTREE_BULK_AFTER
 #define DDTREE_BULK_AFTER -1  // register select rounds before the bulk select (< 0: never)
 #endif
@@ -302,9 +310,9 @@ extern "C" __global__ void __launch_bounds__(MERGE_THREADS) ddtree_build_merge(
 #include "build_tree_select_bulk.cuh"
 
 extern "C" __global__ void DDTREE_SELECT_BOUNDS ddtree_build_select(
-    const float* __restrict__ topk_lp,      // [batch, draft_len, top_k]
-    const int32_t* __restrict__ topk_tok,   // [batch, draft_len, top_k]
-    const int32_t* __restrict__ topk_count, // [batch, draft_len]
+    const float* DDTREE_TOPK_ROWS topk_lp,       // [batch, draft_len, top_k]
+    const int32_t* DDTREE_TOPK_ROWS topk_tok,    // [batch, draft_len, top_k]
+    const int32_t* DDTREE_TOPK_ROWS topk_count,  // [batch, draft_len]
     const int64_t* __restrict__ root_tokens,  // [batch]
     const int32_t* __restrict__ budgets,      // [batch]
     int32_t* __restrict__ error_flags,        // [batch]

@@ -87,7 +87,7 @@ __device__ __forceinline__ bool ddtree_cand_better(uint32_t ka, uint64_t la, uin
 // index, which would put the array in local memory).
 template <int WORDS>
 __device__ __forceinline__ void ddtree_select_write_rows(
-    int count, int64_t b, int64_t root, const int32_t* __restrict__ topk_tok, int draft_len,
+    int count, int64_t b, int64_t root, const int32_t* DDTREE_TOPK_ROWS topk_tok, int draft_len,
     int top_k, int num_nodes_max, int words, const int16_t* node_parent, const int16_t* node_rank,
     const int8_t* node_depth, const float* node_score, int64_t* __restrict__ tokens,
     int32_t* __restrict__ parents, int32_t* __restrict__ depths, float* __restrict__ log_probs,
@@ -140,7 +140,7 @@ __device__ __forceinline__ void ddtree_select_write_rows(
 // thread of the block: tokens, parents, depths, log-probs, sentinels past `count`, num_nodes and
 // the ancestor-or-self masks.
 __device__ void ddtree_select_write(int count, int64_t b, int64_t root,
-                                    const int32_t* __restrict__ topk_tok, int draft_len,
+                                    const int32_t* DDTREE_TOPK_ROWS topk_tok, int draft_len,
                                     int top_k, int num_nodes_max, int words,
                                     const int16_t* node_parent, const int16_t* node_rank,
                                     const int8_t* node_depth, const float* node_score,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import struct
 
 import pytest
@@ -112,3 +114,54 @@ def test_the_plan_counts_the_kernels_static_shared_memory(
     static = _static_shared_bytes(cubin)
     assert static["ddtree_build_topk"] == tree_cuda.topk_static_smem(plan.warps)
     assert max(static.values()) <= tree_cuda._STATIC_SMEM_RESERVE, static
+
+
+def _ptx(name: str, arch: str, defines: dict[str, int]) -> str:
+    """PTX of kernel source ``name`` for ``arch`` (NVRTC with jit's headers and flags; no GPU)."""
+    from cuda.bindings import nvrtc
+
+    def check(result: tuple[object, ...]) -> tuple[object, ...]:
+        assert result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, result
+        return result
+
+    source = jit.load_source(name).encode()
+    (program,) = check(nvrtc.nvrtcCreateProgram(source, name.encode(), 0, [], []))[1:]
+    options = [f"--gpu-architecture=compute_{arch[3:]}", "-std=c++17", "-default-device"]
+    options += [f"-I{path}" for path in jit._include_dirs()]
+    options += [f"-D{key}={value}" for key, value in defines.items()]
+    try:
+        compiled = nvrtc.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])
+        assert compiled[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, compiled
+        (size,) = check(nvrtc.nvrtcGetPTXSize(program))[1:]
+        ptx = b" " * int(size)  # type: ignore[call-overload]
+        check(nvrtc.nvrtcGetPTX(program, ptx))
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+    return ptx.decode().rstrip("\0")
+
+
+def _entry(ptx: str, kernel: str) -> str:
+    body = ptx[ptx.index(f".entry {kernel}(") :]
+    end = body.find(".entry", 1)
+    return body if end < 0 else body[:end]
+
+
+def test_an_early_select_reads_the_topk_rows_coherently() -> None:
+    """An early select reads the top-k's rows while the top-k may still write others, so it
+    must never load them through the read-only data path (``ld.global.nc``, whose contract is
+    data read-only for the kernel's lifetime): its only non-coherent loads are of the caller's
+    root tokens and budgets, where the select after the whole launch loads the rows so too."""
+    early = tree_cuda.build_tree_plan(32, 16, 163840, 64)
+    after = dataclasses.replace(
+        early, early_depths=0, select=dataclasses.replace(early.select, block=(512, 1, 1))
+    )
+    loads = {}
+    for plan in (early, after):
+        select = _entry(
+            _ptx("build_tree.cu", "sm_90", {"DDTREE_DTYPE": 1, **plan.defines}),
+            "ddtree_build_select",
+        )
+        loads[plan.early_depths] = len(re.findall(r"\bld\.global\.nc\b", select))
+    # root_tokens[b] and budgets[b] before the wait, root_tokens[i] in the all-or-nothing check
+    assert loads[early.early_depths] == 3
+    assert loads[0] > 3
