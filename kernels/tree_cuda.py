@@ -79,10 +79,10 @@ _SELECT_THREADS = 512
 """Threads of a select block: the serial pops use one warp, the wide select all of them (H200,
 B 32 budget 256, the wide select launch alone: 31 us at 512 threads, 40 at 1024; session 14)."""
 _EARLY_SELECT_THREADS = 128
-"""Threads of an early plan's select block (``early_depths``): small enough that two fit beside
-a top-k block on an SM the last wave leaves half empty (the select's registers are capped at
-128 a thread, as with 512 threads), so that every request's select runs while the top-k still
-streams the deeper rows."""
+"""Threads of an early plan's select block (``early_depths``): small enough to fit the slots the
+second wave of top-k blocks leaves free (two in an eight-warp block's, one in a four-warp
+block's; the select's registers are capped at 128 a thread, as with 512 threads), so that the
+selects run while the top-k still streams the deeper rows."""
 _WIDE_MIN_BUDGET = 97
 """Budgets from this many nodes take the wide select; smaller ones pop serially from registers
 (build_tree_select.cuh). On the H200 the wide select won at budget 96 but lost at 16 and, on peaked
@@ -540,8 +540,8 @@ class BuildScratch:
     part_stats: int
     """[rows, num_parts, 3] fp32 statistics (empty with ``plan.merge_here``)."""
     row_ready: int
-    """[rows] int32 flags of the rows written, for an early select (``plan.early_depths``; the
-    top-k resets and raises them itself, so they need no initial value)."""
+    """[rows] int32 flags of the rows written, for an early select (``plan.early_depths``; empty
+    without one). The top-k resets and raises them itself, so they need no initial value."""
 
 
 def build_scratch(plan: BuildTreePlan, rows: int, device: torch.device) -> BuildScratch:
