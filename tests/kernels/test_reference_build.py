@@ -302,6 +302,58 @@ def test_out_overlapping_an_input_is_refused() -> None:
         reference.build_tree(draft_logits(2, 2, 9, seed=1), roots, 4, out=out)
 
 
+def _first_depths_suffice(log_p: torch.Tensor, use: int, budget: int) -> bool:
+    """The early select's test (``ddtree_depths_suffice`` in build_tree_select.cuh) for one
+    request, from its per-depth log-probs sorted descending (``[draft_len, K]``, fp32): the tree
+    over the first ``use`` depths is the whole tree when some of those depths has no possible
+    token, or when the budget-th depth-1 token scores strictly above the chain of the first
+    ``use`` depths' best tokens (summed as scores are: fp32, in depth order)."""
+    if budget == 0:
+        return True
+    chain = torch.zeros((), dtype=torch.float32)
+    for d in range(use):
+        if not math.isfinite(float(log_p[d, 0])):
+            return True
+        chain = chain + log_p[d, 0]
+    row = log_p[0]
+    return budget <= row.numel() and bool(row[budget - 1] > chain)
+
+
+@pytest.mark.parametrize("style", ["random", "ties", "peaked", "flat", "poisoned"])
+@pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])
+def test_the_early_select_test_keeps_the_tree(style: str, scale: float) -> None:
+    """Wherever the early select's test passes on a request's first depths, the tree built from
+    those depths alone is the whole tree, node for node (the reference on the truncated rows
+    against the reference on all of them). Both outcomes occur on random rows."""
+    batch_size, draft_len, vocab_size = 6, 8, 300
+    kind = "random" if style == "poisoned" else style
+    logits = draft_logits(batch_size, draft_len, vocab_size, style=kind, seed=int(scale * 10))
+    if style == "poisoned":
+        logits = poison_rows(logits, seed=6)
+    logits = logits * scale
+    roots = _roots(batch_size, vocab_size)
+    log_p = torch.log_softmax(reference.scaled_logits(logits, 0.9), dim=-1)
+    log_p = torch.nan_to_num(log_p, nan=-math.inf).sort(dim=-1, descending=True).values
+    outcomes = set()
+    for budget in (1, 7, 31, 64, 96):
+        full = reference.build_tree(logits, roots, budget, temperature=0.9)
+        for use in (1, 2, 4, draft_len - 1):
+            early = reference.build_tree(
+                logits[:, :use].contiguous(), roots, budget, temperature=0.9
+            )
+            for b in range(batch_size):
+                suffices = _first_depths_suffice(log_p[b], use, budget)
+                outcomes.add(suffices)
+                if suffices:
+                    n = int(full.num_nodes[b])
+                    assert int(early.num_nodes[b]) == n, (b, use, budget)
+                    for name in ("tokens", "parents", "depths", "log_probs"):
+                        got, want = getattr(early, name)[b, :n], getattr(full, name)[b, :n]
+                        assert torch.equal(got, want), (name, b, use, budget)
+    if style == "random":
+        assert outcomes == {True, False}
+
+
 @pytest.mark.gpu
 def test_runs_on_cuda_like_on_cpu() -> None:
     logits = draft_logits(3, 4, 1000, seed=5)
