@@ -299,12 +299,13 @@ def build_tree_plan(
         late_blocks = _blocks_fitting(late_smem, warps, max_smem_bytes)
         if late_smem <= max_smem_bytes and late_blocks >= resident:
             expand_at, topk_smem = _EXPAND_AT_LATE, late_smem
+    slots = num_sms * resident  # top-k blocks resident at once: one wave
 
     # Chunks per row: one once the rows fill every resident slot (on the H200 more chunks per
     # row cost more in per-block set-up and merge than they win back in the last wave), else
     # enough to fill the slots, with at most _MAX_PARTS candidate lists per row for the merge.
     # Never more than the merge's shared memory (all parts' candidates of a row) holds.
-    chunks = max(1, min((num_sms * resident) // rows, _MAX_PARTS // warps))
+    chunks = max(1, min(slots // rows, _MAX_PARTS // warps))
     fit = (max_smem_bytes // 8 - 2 * sort_size) // (top_k * warps)
     if fit < 1:
         raise ValueError(
@@ -317,7 +318,7 @@ def build_tree_plan(
     num_parts = num_chunks * warps
     # Room in hit buffers of _EXPAND_AT + 32 * unroll vectors, also where they are larger.
     room = _hit_buffer_bytes(_EXPAND_AT, unroll)
-    merge_here = num_chunks == 1 and rows <= 2 * num_sms * resident and 8 * top_k <= room
+    merge_here = num_chunks == 1 and rows <= 2 * slots and 8 * top_k <= room
     merge_smem = (num_parts * top_k + 2 * sort_size) * 8
     small = num_parts * top_k <= _MERGE_SMALL_ROW and rows > num_sms * _MERGE_RESIDENT
     merge_threads = _MERGE_THREADS_SMALL if small else _MERGE_THREADS
@@ -338,9 +339,9 @@ def build_tree_plan(
     select_smem = (lp_table if lp_in_smem else 0) + (
         wide_select_bytes(wide_cap, wide_sort_size) if wide_cap else 0
     )
-    slots = num_sms * resident
-    two_waves = merge_here and rows > slots and wide_cap == 0
-    early_depths = min(draft_len, slots // batch_size) if two_waves else 0
+    # The select starts on the first wave's depths where the rows take a second wave.
+    early = merge_here and rows > slots and wide_cap == 0
+    early_depths = min(draft_len, slots // batch_size) if early else 0
     select_threads = _EARLY_SELECT_THREADS if early_depths else _SELECT_THREADS
     return BuildTreePlan(
         top_k=top_k,
