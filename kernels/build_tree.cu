@@ -47,7 +47,12 @@
 //    merge_here with two waves of blocks) the blocks take the rows depth by depth (blockIdx.y =
 //    depth * batch + request), so that the first wave holds every request's first depths, and
 //    each block of a depth below DDTREE_EARLY_DEPTHS resets its row's ready flag before it lets
-//    the select launch and raises it once the row is written (release order).
+//    the select launch and raises it once the row is written (release order). A deeper row's
+//    flag, reset by its block in the same way, is raised by the select instead, once it knows
+//    that no pop reads the row; the block's warps read it a step before each lane-bound
+//    publication, and one that finds it raised sets the block threshold above every composite
+//    (DDTREE_UNNEEDED): no warp records hits, publishes bounds or keeps candidates any more, and
+//    the block writes nothing for the row. The row is still read to its end.
 // 2. ddtree_build_merge  grid (rows), block of any multiple of 32 threads up to MERGE_THREADS
 //    (the plan's merge_threads), dynamic shared memory
 //    (num_parts * K + 2 * sort_size) * 8 bytes. Gathers the row's non-pad candidates, combines
@@ -91,8 +96,9 @@
 //    instead of the whole top-k launch, and pops over those depths alone when their rows show
 //    that no deeper node can enter the tree (ddtree_depths_suffice: the budget-th depth-1 token
 //    scores strictly above the chain of those depths' best tokens, or a depth among them has no
-//    possible token); else it waits for the launch and loads the other rows. Either way the
-//    pops are those over every depth, and every exit waits for the launch.
+//    possible token), and then raises the deeper rows' flags (above); else it waits for the
+//    launch and loads the other rows. Either way the pops are those over every depth, and every
+//    exit waits for the launch.
 //
 // Rules shared with the reference: x = logits.float() / temperature (true division), NaN -> -inf,
 // a row holding +inf gives its +inf tokens log-prob -log(count) and every other token -inf, an
@@ -156,6 +162,9 @@
 #define DDTREE_LOG2E 1.4426950408889634f
 // Composite of the smallest finite value with the largest token id: below every possible entry.
 #define DDTREE_FINITE_FLOOR (((uint64_t)0x00800000u) << 32)
+// A block threshold above every composite (its key is a NaN's, which no entry compares at or
+// above): the row is not needed (early plans), and its block gathers no more candidates.
+#define DDTREE_UNNEEDED (~0ull)
 
 // Each launch's machinery is a header of its own, inlined here by the runtime compiler: the row
 // helpers (composites, reductions, ordering and writing a row), then launch 1's top-k pass.
@@ -173,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
     int32_t* __restrict__ topk_tok,         // [rows, top_k]
     int32_t* __restrict__ topk_count,       // [rows]
     int32_t batch, int32_t draft_len,       // early plans: rows taken depth by depth
-    int32_t* __restrict__ row_ready) {      // [rows] early plans: 1 once the row is written
+    int32_t* row_ready) {  // [rows] early plans: written (first depths) or unneeded (deeper)
   // [TOPK_WARPS, cap] candidate buffers, [TOPK_WARPS, DDTREE_HITS] hit vectors and their
   // [TOPK_WARPS, DDTREE_HITS] first tokens.
   extern __shared__ uint64_t smem[];
@@ -185,14 +194,17 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunk = blockIdx.x;
   // Early plans (merge_here, one chunk a row) take the rows depth by depth, so that the first
-  // wave holds every request's first depths, and flag those of depths below
-  // DDTREE_EARLY_DEPTHS ready once written: reset here before the select may start (it starts
-  // once every block has passed ddtree_allow_dependents), raised after the row's writes.
+  // wave holds every request's first depths. Each row's flag is reset here, before the select
+  // may start (it starts once every block has passed ddtree_allow_dependents). The block of a
+  // row of the depths below DDTREE_EARLY_DEPTHS raises it once the row is written; the select
+  // raises the flag of a deeper row once it knows that its tree cannot reach the row (a hint:
+  // the block then drops its candidates, ddtree_topk_warp).
   const int64_t row = DDTREE_EARLY_DEPTHS > 0
                           ? (int64_t)(blockIdx.y % batch) * draft_len + blockIdx.y / batch
                           : (int64_t)blockIdx.y;
   const bool flags_row =
       DDTREE_EARLY_DEPTHS > 0 && (int)(blockIdx.y / batch) < DDTREE_EARLY_DEPTHS;
+  const int32_t* unneeded = DDTREE_EARLY_DEPTHS > 0 && !flags_row ? row_ready + row : nullptr;
   // The span's first entry, the warp's first entry, and the end of the span whose steps the
   // warps share.
   const int span_begin = chunk * span;
@@ -206,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
       reinterpret_cast<int32_t*>(hit_vecs + TOPK_WARPS * DDTREE_HITS) + warp * DDTREE_HITS;
   if (threadIdx.x == 0) {
     threshold = DDTREE_FINITE_FLOOR;
-    if (flags_row) {
+    if (DDTREE_EARLY_DEPTHS > 0) {
       *(volatile int32_t*)(row_ready + row) = 0;
       __threadfence();
     }
@@ -223,15 +235,16 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   if (temperature == 1.0f) {
     count = ddtree_topk_warp<true>(src, temperature, begin, end, top_k, cap, vectorized != 0,
                                    cand, hit_vec, hit_token, hist[warp], &threshold,
-                                   first_threshold, warp_bound, m, s, infs);
+                                   first_threshold, warp_bound, unneeded, m, s, infs);
   } else {
     count = ddtree_topk_warp<false>(src, temperature, begin, end, top_k, cap, vectorized != 0,
                                     cand, hit_vec, hit_token, hist[warp], &threshold,
-                                    first_threshold, warp_bound, m, s, infs);
+                                    first_threshold, warp_bound, unneeded, m, s, infs);
   }
   ddtree_warp_stats(m, s, infs);  // the warp's statistics, in every lane
   __syncthreads();  // every warp is done: the block threshold is final
   const uint64_t final_threshold = threshold;
+  if (DDTREE_EARLY_DEPTHS > 0 && final_threshold == DDTREE_UNNEEDED) return;  // nobody reads it
   const int64_t parts = (int64_t)gridDim.x * TOPK_WARPS;
   const int64_t part = row * parts + chunk * TOPK_WARPS + warp;
   uint64_t* out = part_keys + part * top_k;
@@ -325,7 +338,7 @@ extern "C" __global__ void DDTREE_SELECT_BOUNDS ddtree_build_select(
     int32_t vocab, int32_t draft_len, int32_t top_k, int32_t num_nodes_max, int32_t words,
     int32_t lp_in_smem, int32_t batch, int32_t all_or_nothing, int32_t wide_cap,
     int32_t wide_min_budget, int32_t sort_size,
-    const int32_t* __restrict__ row_ready) {
+    int32_t* row_ready) {
   // row_ready: [batch, draft_len], early plans (DDTREE_EARLY_DEPTHS > 0) only.
   // lp_table: [draft_len, top_k] when lp_in_smem, then (16-byte aligned) the wide select's store
   // when wide_cap > 0.
@@ -400,6 +413,10 @@ extern "C" __global__ void DDTREE_SELECT_BOUNDS ddtree_build_select(
                             topk_count + b * draft_len, lp_table, counts);
     use = draft_len;
     __syncthreads();
+  }
+  // The deeper rows' blocks may drop their candidates: no pop reads those rows.
+  for (int d = use + tid; d < draft_len; d += blockDim.x) {
+    *(volatile int32_t*)(row_ready + b * draft_len + d) = 1;
   }
 #endif
 

@@ -468,7 +468,8 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
                                 int begin, int end, int top_k, int cap, bool vectorized,
                                 uint64_t* cand, uint4* hit_vec, int32_t* hit_token, uint32_t* hist,
                                 unsigned long long* block_threshold, bool first_threshold,
-                                uint32_t* warp_bound, float& m, float& s, float& infs) {
+                                uint32_t* warp_bound, const int32_t* unneeded, float& m,
+                                float& s, float& infs) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int j = (top_k + TOPK_WARPS - 1) / TOPK_WARPS;
   uint4 cur[UNROLL], nxt[UNROLL];
@@ -511,6 +512,10 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
   // TOPK_BOUND_MAX_J). Step 1's lane maxima are a subset of the first-step vector maxima, so
   // after the first-step bound their j-th largest cannot beat it: then from step 2.
   uint32_t publish_at = j > TOPK_BOUND_MAX_J ? 0u : first_threshold ? 2u : 1u;
+  // Early plans: the select's hint that no pop reads this row (`unneeded`: the row's flag;
+  // nullptr for rows the select waits for), as read last by lane 0; checked where the warp
+  // would publish its bound.
+  int hint = 0;
   // This lane's first vector of the next step (read only where the step is whole and the row
   // 16-byte aligned), advanced by each step.
   const uint4* next_vectors = reinterpret_cast<const uint4*>(src + begin + DDTREE_STRIDE) + lane;
@@ -552,8 +557,18 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
         fmaxf(-DDTREE_INF, ddtree_scaled_peak<UNIT>(ddtree_tree_peak(tree), temperature));
     ddtree_step_stats(x, smax, m, s, infs);
     if (++step == publish_at) {
-      ddtree_publish_lane_bound(m, j, warp_bound, block_threshold);
-      publish_at *= 2u;
+      if (DDTREE_EARLY_DEPTHS > 0 && __any_sync(DDTREE_FULL, hint != 0)) {
+        // The select needs no pop from this row: no more hits, bounds or candidates.
+        if (lane == 0) atomicMax(block_threshold, DDTREE_UNNEEDED);
+        publish_at = 0u;
+      } else {
+        ddtree_publish_lane_bound(m, j, warp_bound, block_threshold);
+        publish_at *= 2u;
+      }
+    }
+    // The hint is read a step before it is used, so that no warp waits for the load.
+    if (DDTREE_EARLY_DEPTHS > 0 && unneeded != nullptr && lane == 0 && step + 1u == publish_at) {
+      hint = *reinterpret_cast<const volatile int32_t*>(unneeded);
     }
     if (__ballot_sync(DDTREE_FULL, smax >= floor_value) != 0u) {
 #pragma unroll
@@ -590,6 +605,11 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
   // log-prob above 0 (seen on peaked bf16 rows), and the selects rely on no child outscoring
   // its parent. Every other term only adds to it.
   if (m > -DDTREE_INF) s = fmaxf(s, 1.0f);
+  if (DDTREE_EARLY_DEPTHS > 0 &&
+      __any_sync(DDTREE_FULL, lane == 0 && *reinterpret_cast<const volatile unsigned long long*>(
+                                                 block_threshold) == DDTREE_UNNEEDED)) {
+    return 0;  // the row is not needed (above)
+  }
   return ddtree_expand_hits<UNIT>(hit_vec, hit_token, nh, temperature, cand, count, cap, top_k,
                                   j, hist, warp_bound, block_threshold);
 }

@@ -471,7 +471,7 @@ extern "C" __global__ void DDTREE_SELECT_BOUNDS
                                 int32_t draft_len, int32_t top_k, int32_t num_nodes_max,
                                 int32_t words, int32_t lp_in_smem, int32_t wide_cap,
                                 int32_t wide_min_budget, int32_t sort_size,
-                                const int32_t* row_ready) {
+                                int32_t* row_ready) {
   if (a->status != 0 || blockIdx.x >= (unsigned)a->batch_size) return;
   ddtree_build_select(topk_lp, topk_tok, topk_count, (const int64_t*)a->ptr[DDTREE_B_ROOTS],
                       (const int32_t*)a->ptr[DDTREE_B_BUDGETS], (int32_t*)a->ptr[DDTREE_B_FLAGS],

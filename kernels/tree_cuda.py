@@ -541,8 +541,9 @@ class BuildScratch:
     part_stats: int
     """[rows, num_parts, 3] fp32 statistics (empty with ``plan.merge_here``)."""
     row_ready: int
-    """[rows] int32 flags of the rows written, for an early select (``plan.early_depths``; empty
-    without one). The top-k resets and raises them itself, so they need no initial value."""
+    """[rows] int32 flags of an early select (``plan.early_depths``; empty without one): a row of
+    the first ``early_depths`` depths is written, a deeper row is not needed (the select's hint
+    to its top-k block). The top-k resets every one itself, so they need no initial value."""
 
 
 def build_scratch(plan: BuildTreePlan, rows: int, device: torch.device) -> BuildScratch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import struct
 
@@ -146,22 +147,45 @@ def _entry(ptx: str, kernel: str) -> str:
     return body if end < 0 else body[:end]
 
 
+@functools.cache
+def _build_tree_ptx(early: bool) -> str:
+    """sm_90 PTX of build_tree.cu (bf16) for batch 32, draft_len 16, budget 64: the H200's early
+    plan, or the same plan with the select after the whole top-k launch."""
+    plan = tree_cuda.build_tree_plan(32, 16, 163840, 64)
+    assert plan.early_depths > 0
+    if not early:
+        plan = dataclasses.replace(
+            plan, early_depths=0, select=dataclasses.replace(plan.select, block=(512, 1, 1))
+        )
+    return _ptx("build_tree.cu", "sm_90", {"DDTREE_DTYPE": 1, **plan.defines})
+
+
 def test_an_early_select_reads_the_topk_rows_coherently() -> None:
     """An early select reads the top-k's rows while the top-k may still write others, so it
     must never load them through the read-only data path (``ld.global.nc``, whose contract is
     data read-only for the kernel's lifetime): its only non-coherent loads are of the caller's
     root tokens and budgets, where the select after the whole launch loads the rows so too."""
-    early = tree_cuda.build_tree_plan(32, 16, 163840, 64)
-    after = dataclasses.replace(
-        early, early_depths=0, select=dataclasses.replace(early.select, block=(512, 1, 1))
-    )
-    loads = {}
-    for plan in (early, after):
-        select = _entry(
-            _ptx("build_tree.cu", "sm_90", {"DDTREE_DTYPE": 1, **plan.defines}),
-            "ddtree_build_select",
-        )
-        loads[plan.early_depths] = len(re.findall(r"\bld\.global\.nc\b", select))
+    loads = {
+        early: len(re.findall(r"\bld\.global\.nc\b", _entry(_build_tree_ptx(early), kernel)))
+        for early, kernel in [(True, "ddtree_build_select"), (False, "ddtree_build_select")]
+    }
     # root_tokens[b] and budgets[b] before the wait, root_tokens[i] in the all-or-nothing check
-    assert loads[early.early_depths] == 3
-    assert loads[0] > 3
+    assert loads[True] == 3
+    assert loads[False] > 3
+
+
+def test_only_early_plans_pass_row_flags_between_the_launches() -> None:
+    """In an early plan the top-k resets every row's flag and reads the deeper rows' hints,
+    and the select raises those hints (volatile global accesses besides the flags' acquire
+    and release); a plan without an early select touches no flag at all."""
+
+    def accesses(early: bool, kernel: str, op: str) -> int:
+        entry = _entry(_build_tree_ptx(early), kernel)
+        return len(re.findall(rf"\b{op}\.volatile\.global\b", entry))
+
+    assert accesses(True, "ddtree_build_topk", "ld") > 0  # the hint
+    assert accesses(True, "ddtree_build_topk", "st") > 0  # the reset
+    assert accesses(True, "ddtree_build_select", "st") > 0  # raising the hints
+    for kernel in ("ddtree_build_topk", "ddtree_build_select"):
+        entry = _entry(_build_tree_ptx(False), kernel)
+        assert not re.search(r"\b(ld|st)\.(volatile|acquire|release)[.\w]*\.global\b", entry)
