@@ -166,8 +166,10 @@ def test_an_early_select_reads_the_topk_rows_coherently() -> None:
     data read-only for the kernel's lifetime): its only non-coherent loads are of the caller's
     root tokens and budgets, where the select after the whole launch loads the rows so too."""
     loads = {
-        early: len(re.findall(r"\bld\.global\.nc\b", _entry(_build_tree_ptx(early), kernel)))
-        for early, kernel in [(True, "ddtree_build_select"), (False, "ddtree_build_select")]
+        early: len(
+            re.findall(r"\bld\.global\.nc\b", _entry(_build_tree_ptx(early), "ddtree_build_select"))
+        )
+        for early in (True, False)
     }
     # root_tokens[b] and budgets[b] before the wait, root_tokens[i] in the all-or-nothing check
     assert loads[True] == 3
