@@ -5,7 +5,8 @@ One run, side by side, on the same inputs:
 * build_tree: ddtree's kernels; torch ``log_softmax`` + ``topk``; that plus the device-to-host
   copy and a Python ``heapq`` best-first search per request (the public integrations' path);
   and the read-once floor (logit bytes over the measured device copy bandwidth).
-  Batch 1, 8, 32, 128; vocab 163840; draft_len 16; budgets 16, 64, 256, 1024; bf16.
+  Batch 1, 8, 32, 128; vocab 163840; draft_len 16; budgets 16, 64, 256, 1024; bf16 (or the
+  batches and budgets given: each shape compiles its own kernels, minutes on a fresh machine).
 * accept + commit_kv: ddtree's kernels (eager launches and replayed as a CUDA graph) vs a Python
   walk after a device-to-host copy and a torch ``index_select``/``index_copy_`` KV compaction.
 
@@ -13,7 +14,7 @@ Timing: CUDA events around each iteration after warm-up, medians; several logits
 rotated so the 60 MB L2 cannot serve them. Writes ``bench/results/<date>-<gpu>-tree.json``
 (or ``--out``).
 
-Usage: ``python bench/bench_tree.py [--out PATH] [--quick]``.
+Usage: ``python bench/bench_tree.py [--out PATH] [--quick] [--batch-sizes 32] [--budgets 16,64]``.
 """
 
 from __future__ import annotations
@@ -271,14 +272,24 @@ def bench_accept_commit(batch_size: int = 32, budget: int = 64) -> dict:
     }
 
 
+def _sizes(text: str) -> list[int]:
+    """A comma-separated list of positive integers (``--batch-sizes``, ``--budgets``)."""
+    sizes = [int(part) for part in text.split(",")]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"positive integers, comma-separated: {text!r}")
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--batch-sizes", type=_sizes, default=[1, 8, 32, 128], help="e.g. 32,128")
+    parser.add_argument("--budgets", type=_sizes, default=[16, 64, 256, 1024], help="e.g. 64")
     args = parser.parse_args()
     name = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()
-    build = bench_build([1, 8, 32, 128], [16, 64, 256, 1024], bandwidth, args.quick)
+    build = bench_build(args.batch_sizes, args.budgets, bandwidth, args.quick)
     accept_commit = bench_accept_commit()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     result = {
