@@ -605,11 +605,6 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
   // log-prob above 0 (seen on peaked bf16 rows), and the selects rely on no child outscoring
   // its parent. Every other term only adds to it.
   if (m > -DDTREE_INF) s = fmaxf(s, 1.0f);
-  if (DDTREE_EARLY_DEPTHS > 0 &&
-      __any_sync(DDTREE_FULL, lane == 0 && *reinterpret_cast<const volatile unsigned long long*>(
-                                                 block_threshold) == DDTREE_UNNEEDED)) {
-    return 0;  // the row is not needed (above)
-  }
   return ddtree_expand_hits<UNIT>(hit_vec, hit_token, nh, temperature, cand, count, cap, top_k,
                                   j, hist, warp_bound, block_threshold);
 }
