@@ -51,8 +51,10 @@
 //    flag, reset by its block in the same way, is raised by the select instead, once it knows
 //    that no pop reads the row; the block's warps read it a step before each lane-bound
 //    publication, and one that finds it raised sets the block threshold above every composite
-//    (DDTREE_UNNEEDED): no warp records hits, publishes bounds or keeps candidates any more, and
-//    the block writes nothing for the row. The row is still read to its end.
+//    (DDTREE_UNNEEDED) and stops reading the row: from then on no warp records hits, publishes
+//    bounds or keeps candidates, every warp stops streaming at the publication where it finds
+//    the flag, and the block writes nothing for the row. So only the rows some pop may read
+//    are read to their end.
 // 2. ddtree_build_merge  grid (rows), block of any multiple of 32 threads up to MERGE_THREADS
 //    (the plan's merge_threads), dynamic shared memory
 //    (num_parts * K + 2 * sort_size) * 8 bytes. Gathers the row's non-pad candidates, combines
@@ -198,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32, TOPK_MIN_BLOCKS) d
   // may start (it starts once every block has passed ddtree_allow_dependents). The block of a
   // row of the depths below DDTREE_EARLY_DEPTHS raises it once the row is written; the select
   // raises the flag of a deeper row once it knows that its tree cannot reach the row (a hint:
-  // the block then drops its candidates, ddtree_topk_warp).
+  // the block then drops its candidates and the rest of the row, ddtree_topk_warp).
   const int64_t row = DDTREE_EARLY_DEPTHS > 0
                           ? (int64_t)(blockIdx.y % batch) * draft_len + blockIdx.y / batch
                           : (int64_t)blockIdx.y;
