@@ -5,6 +5,7 @@
 * ``scalar_accept``: the walk, node by node, with its own Python-int hash for sampling.
 * ``scalar_commit``: read every source, then write, position by position.
 * ``dense_attention``: softmax attention in fp64 with an explicit boolean mask built from parents.
+* ``first_depths_suffice``: the early select's test of one request, in plain Python.
 
 The per-depth fp32 log-probabilities come from ``depth_log_probs`` (plain torch on one row);
 scores are accumulated one fp32 addition at a time (``add_fp32``).
@@ -28,6 +29,7 @@ __all__ = [
     "brute_force_tree",
     "dense_attention",
     "depth_log_probs",
+    "first_depths_suffice",
     "gumbel_noise_scalar",
     "heap_tree",
     "scalar_accept",
@@ -67,6 +69,23 @@ def depth_log_probs(row: torch.Tensor, temperature: float) -> tuple[list[int], l
     ids = sorted(range(len(values)), key=lambda v: -values[v])
     log_list = log_p.tolist()
     return ids, [log_list[v] for v in ids]
+
+
+def first_depths_suffice(log_p: torch.Tensor, use: int, budget: int) -> bool:
+    """The early select's test (``ddtree_depths_suffice`` in build_tree_select.cuh) for one
+    request, from its per-depth log-probs sorted descending (``[draft_len, K]``, fp32): the tree
+    over the first ``use`` depths is the whole tree when some of those depths has no possible
+    token, or when the budget-th depth-1 token scores strictly above the chain of the first
+    ``use`` depths' best tokens (summed as scores are: fp32, in depth order)."""
+    if budget == 0:
+        return True
+    chain = 0.0
+    for d in range(use):
+        best = float(log_p[d, 0])
+        if not math.isfinite(best):
+            return True
+        chain = add_fp32(chain, best)
+    return budget <= log_p.shape[1] and float(log_p[0, budget - 1]) > chain
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from helpers.assertions import assert_equal, assert_same_tree
 from helpers.generators import draft_logits, is_poisoned, poison_rows, poisoned_tree, random_budgets
 from helpers.invariants import assert_tree_valid
-from helpers.oracles import brute_force_tree, heap_tree, tree_from_nodes
+from helpers.oracles import brute_force_tree, first_depths_suffice, heap_tree, tree_from_nodes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -302,23 +302,6 @@ def test_out_overlapping_an_input_is_refused() -> None:
         reference.build_tree(draft_logits(2, 2, 9, seed=1), roots, 4, out=out)
 
 
-def _first_depths_suffice(log_p: torch.Tensor, use: int, budget: int) -> bool:
-    """The early select's test (``ddtree_depths_suffice`` in build_tree_select.cuh) for one
-    request, from its per-depth log-probs sorted descending (``[draft_len, K]``, fp32): the tree
-    over the first ``use`` depths is the whole tree when some of those depths has no possible
-    token, or when the budget-th depth-1 token scores strictly above the chain of the first
-    ``use`` depths' best tokens (summed as scores are: fp32, in depth order)."""
-    if budget == 0:
-        return True
-    chain = torch.zeros((), dtype=torch.float32)
-    for d in range(use):
-        if not math.isfinite(float(log_p[d, 0])):
-            return True
-        chain = chain + log_p[d, 0]
-    row = log_p[0]
-    return budget <= row.numel() and bool(row[budget - 1] > chain)
-
-
 @pytest.mark.parametrize("style", ["random", "ties", "peaked", "flat", "poisoned"])
 @pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])
 def test_the_early_select_test_keeps_the_tree(style: str, scale: float) -> None:
@@ -342,7 +325,7 @@ def test_the_early_select_test_keeps_the_tree(style: str, scale: float) -> None:
                 logits[:, :use].contiguous(), roots, budget, temperature=0.9
             )
             for b in range(batch_size):
-                suffices = _first_depths_suffice(log_p[b], use, budget)
+                suffices = first_depths_suffice(log_p[b], use, budget)
                 outcomes.add(suffices)
                 if suffices:
                     n = int(full.num_nodes[b])
