@@ -51,10 +51,10 @@
 //    flag, reset by its block in the same way, is raised by the select instead, once it knows
 //    that no pop reads the row; the block's warps read it a step before each lane-bound
 //    publication, and one that finds it raised sets the block threshold above every composite
-//    (DDTREE_UNNEEDED) and stops reading the row: from then on no warp records hits, publishes
-//    bounds or keeps candidates, every warp stops streaming at the publication where it finds
-//    the flag, and the block writes nothing for the row. So only the rows some pop may read
-//    are read to their end.
+//    (DDTREE_UNNEEDED) and stops reading the row: from then on no warp records hits or keeps
+//    candidates and no bound moves the threshold, every warp stops streaming at the publication
+//    where it finds the flag, and the block writes nothing for the row. So only the rows some
+//    pop may read are read to their end.
 // 2. ddtree_build_merge  grid (rows), block of any multiple of 32 threads up to MERGE_THREADS
 //    (the plan's merge_threads), dynamic shared memory
 //    (num_parts * K + 2 * sort_size) * 8 bytes. Gathers the row's non-pad candidates, combines
