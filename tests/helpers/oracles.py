@@ -71,21 +71,23 @@ def depth_log_probs(row: torch.Tensor, temperature: float) -> tuple[list[int], l
     return ids, [log_list[v] for v in ids]
 
 
-def first_depths_suffice(log_p: torch.Tensor, use: int, budget: int) -> bool:
+def first_depths_suffice(logits: torch.Tensor, temperature: float, use: int, budget: int) -> bool:
     """The early select's test (``ddtree_depths_suffice`` in build_tree_select.cuh) for one
-    request, from its per-depth log-probs sorted descending (``[draft_len, K]``, fp32): the tree
-    over the first ``use`` depths is the whole tree when some of those depths has no possible
-    token, or when the budget-th depth-1 token scores strictly above the chain of the first
-    ``use`` depths' best tokens (summed as scores are: fp32, in depth order)."""
+    request's draft logits (``[draft_len, vocab_size]``, any float dtype, CPU): the tree over
+    the first ``use`` depths is the whole tree when some of those depths has no possible token,
+    or when the budget-th depth-1 token scores strictly above the chain of the first ``use``
+    depths' best tokens (summed as scores are: fp32, in depth order)."""
     if budget == 0:
         return True
-    chain = 0.0
+    chain, depth_one = 0.0, []
     for d in range(use):
-        best = float(log_p[d, 0])
-        if not math.isfinite(best):
+        log_p = depth_log_probs(logits[d], temperature)[1]
+        if not math.isfinite(log_p[0]):
             return True
-        chain = add_fp32(chain, best)
-    return budget <= log_p.shape[1] and float(log_p[0, budget - 1]) > chain
+        if d == 0:
+            depth_one = log_p
+        chain = add_fp32(chain, log_p[0])
+    return budget <= len(depth_one) and depth_one[budget - 1] > chain
 
 
 @dataclass(frozen=True)
