@@ -13,7 +13,8 @@ transport, one run measures:
   call's result reused, as an inference server keeps its buffers): the same request every call,
   which the client and the server recognise (request memo, decoded-call memo, CUDA graph);
 * the target's pair alone, interleaved call by call (floor, BuildTree batch 32 into static
-  destinations, floor, ...), so that drift over the run hits both alike;
+  destinations, floor, ...), so that drift over the run hits both alike; and again with the
+  caller idle 10 ms before each call, as a decode loop calls once per step;
 * the same with 16 concurrent callers (threads, one client each) for calls per second;
 * the kernels alone, in this process, called as the server calls them (with ``error_flags``, so
   the op never synchronises): device time (the op's launches captured in a CUDA graph and
@@ -85,6 +86,7 @@ from typing import Any
 
 import grpc
 import torch
+from caller_grpc_io import restart_with_server_grpc_io
 
 import ddtree
 from ddtree import kernels
@@ -217,14 +219,19 @@ def _serial(call: Callable[[], object], iters: int, warmup: int = 3) -> dict[str
     return _stats(latencies)
 
 
-def _interleaved(calls: dict[str, Callable[[], object]], iters: int) -> dict[str, Any]:
-    """The calls in turn, ``iters`` rounds (after 20 of warm-up): each call's statistics."""
+def _interleaved(
+    calls: dict[str, Callable[[], object]], iters: int, idle_s: float = 0.0
+) -> dict[str, Any]:
+    """The calls in turn, ``iters`` rounds (after 20 of warm-up), the caller sleeping
+    ``idle_s`` before each measured call: each call's statistics."""
     for _ in range(20):
         for call in calls.values():
             call()
     latencies: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(iters):
         for name, call in calls.items():
+            if idle_s:
+                time.sleep(idle_s)
             start = time.perf_counter()
             call()
             latencies[name].append(time.perf_counter() - start)
@@ -383,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         "logits_bytes_b32": batch32["logits"].numel() * 2,
         "inline_ops": "default (on: CUDA)" if inline_ops is None else inline_ops,
         "server_metrics": metrics,
+        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
         "kernel_ms": kernel,
         "transports": {},
     }
@@ -488,6 +496,7 @@ def _main_serial_only(label: str, out: Path, iters: int, metrics: bool) -> None:
         "server_start_s": round(start_s, 1),
         "build_tree_repeatable": same,
         "server_metrics": metrics,
+        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
     }
     line.update({name: _stats(values) for name, values in latencies.items()})
     line["build_tree_above_echo_ms"] = round(
@@ -541,6 +550,16 @@ def _target(results: dict[str, Any]) -> dict[str, Any]:
             "build_tree_b32_ref_out_p50_ms": ref_ms,
             "ratio": round(ref_ms / pair_floor_ms, 3),
             "above_floor_ms": round(ref_ms - pair_floor_ms, 4),
+        }
+    spaced = unix.get("interleaved_after_10ms_idle")
+    if spaced is not None:
+        spaced_floor_ms = spaced["echo"]["p50_ms"] + kernel_ms
+        ref_ms = spaced["build_tree_b32_ref_out"]["p50_ms"]
+        target["interleaved_after_10ms_idle"] = {
+            "echo_p50_ms": spaced["echo"]["p50_ms"],
+            "build_tree_b32_ref_out_p50_ms": ref_ms,
+            "ratio": round(ref_ms / spaced_floor_ms, 3),
+            "above_floor_ms": round(ref_ms - spaced_floor_ms, 4),
         }
     return target
 
@@ -761,6 +780,7 @@ def _main_cpu(
         "grpcio": grpc.__version__,
         "inline_ops": "default (off: CPU)" if inline_ops is None else inline_ops,
         "server_metrics": metrics,
+        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
         "shape": {
             "batch_size": 1,
             "draft_len": DRAFT_LEN,
@@ -934,13 +954,13 @@ def _bench_transport(
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.TreeSpeculationServiceStub(channel)
             request = pb.GetServerInfoRequest()
-            out["interleaved"] = _interleaved(
-                {
-                    "echo": lambda: stub.GetServerInfo(request, timeout=10),
-                    "build_tree_b32_ref_out": build_out,
-                },
-                n(1500),
-            )
+            pair = {
+                "echo": lambda: stub.GetServerInfo(request, timeout=10),
+                "build_tree_b32_ref_out": build_out,
+            }
+            out["interleaved"] = _interleaved(pair, n(1500))
+            # As a decode loop calls: once per step, the caller busy elsewhere in between.
+            out["interleaved_after_10ms_idle"] = _interleaved(pair, n(500), idle_s=0.01)
         targets = tree.tokens.clamp(min=0)
         out["accept_tree_b32_ref"] = _serial(lambda: ipc.accept_tree(tree, targets), n(300))
         acceptance = ipc.accept_tree(tree, targets)
@@ -987,4 +1007,5 @@ def _bench_transport(
 
 
 if __name__ == "__main__":
+    restart_with_server_grpc_io()
     main()

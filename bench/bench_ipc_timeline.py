@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from caller_grpc_io import restart_with_server_grpc_io
 
 from ddtree.clients import Client, remote
 from ddtree.v1 import tree_speculation_service_pb2 as pb
@@ -295,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": date,
         "device": device if args.cpu else torch.cuda.get_device_name(),
         "transport": transport,
+        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
         "shape": {"batch_size": logits.shape[0], "vocab_size": logits.shape[2], "budget": budget},
         "calls": args.calls,
         "cpus": None
@@ -339,4 +341,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    restart_with_server_grpc_io()
     main()

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from caller_grpc_io import restart_with_server_grpc_io
 
 from ddtree.clients import Client, KvCommit, RetryPolicy
 from ddtree.clients.errors import DDTreeClientError
@@ -373,6 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "duration_s": args.duration_s,
             "warm_up_s": args.warm_up_s,
             "transport": "loopback TCP",
+            "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
             "machine_load_average_1m": [round(load_start, 2), round(load_end, 2)],
             "tensors": "inline and by reference" if by_reference else "inline",
             "server_backend": info.devices[0].backend if info.devices else None,
@@ -497,4 +499,5 @@ def checks(report: dict[str, Any], max_growth: float) -> dict[str, bool | None]:
 
 
 if __name__ == "__main__":
+    restart_with_server_grpc_io()
     sys.exit(main())

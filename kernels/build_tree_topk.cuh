@@ -560,7 +560,7 @@ __device__ int ddtree_topk_warp(const ddtree_logit_t* __restrict__ src, float te
       if (DDTREE_EARLY_DEPTHS > 0 && __any_sync(DDTREE_FULL, hint != 0)) {
         // The select needs no pop from this row: no more hits, bounds, candidates or steps.
         if (lane == 0) atomicMax(block_threshold, DDTREE_UNNEEDED);
-        publish_at = 0u;
+        publish_at = 0u;  // Redundant with start = end, but 0-2 % faster compiled (session 37).
         start = end;
       } else {
         ddtree_publish_lane_bound(m, j, warp_bound, block_threshold);

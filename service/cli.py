@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -88,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(namespace)
     except ValueError as err:
         parser.error(str(err))
+    if "grpc" not in sys.modules:  # gRPC reads its I/O engine once, when imported
+        os.environ.update(config.grpc_environment())
     from ddtree.service.server import serve
 
     return serve(config)

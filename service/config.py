@@ -28,6 +28,7 @@ environment variable               flag                         default
 ``DDTREE_TLS_KEY``                 ``--tls-key``                off
 ``DDTREE_TLS_CLIENT_CA``           ``--tls-client-ca``          off (no client certificates)
 ``DDTREE_UNIX_SOCKET_MODE``        ``--unix-socket-mode``       ``0660``
+``DDTREE_GRPC_IO``                 ``--grpc-io``                ``polling``
 =================================  ===========================  ===============================
 
 ``DDTREE_MAX_CONCURRENT_CALLS_PER_CLIENT`` / ``--max-concurrent-calls-per-client``: 0 (no limit).
@@ -61,7 +62,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-__all__ = ["ENV_PREFIX", "ServiceConfig", "add_arguments", "config_from_args", "parse_listen"]
+__all__ = [
+    "ENV_PREFIX",
+    "POLLING_GRPC_EXPERIMENTS",
+    "ServiceConfig",
+    "add_arguments",
+    "config_from_args",
+    "parse_listen",
+]
 
 ENV_PREFIX = "DDTREE_"
 """Prefix of every environment variable ddtree reads."""
@@ -70,6 +78,10 @@ _MIB = 1 << 20
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda:\d+)$")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _BACKENDS = ("auto", "cuda", "reference")
+_GRPC_IO_MODES = ("polling", "event-engine")
+POLLING_GRPC_EXPERIMENTS = ("-event_engine_client", "-event_engine_listener")
+"""The ``GRPC_EXPERIMENTS`` entries of ``grpc_io="polling"``: gRPC core's sockets served without
+its EventEngine, by the threads that wait for completions."""
 _GRPC_MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's own ceiling (int32 lengths)
 _GRPC_MAX_MILLISECONDS = (1 << 31) - 1  # gRPC channel arguments are C ints
 
@@ -128,6 +140,14 @@ class ServiceConfig:
         PEM CA bundle; when set, TCP clients must present a certificate it signed (mTLS).
     unix_socket_mode : int
         Permission bits of Unix sockets, ``0 .. 0o777`` (``0o660``: owner and group connect).
+    grpc_io : str
+        How gRPC core serves the sockets: ``"polling"`` (the thread that waits for a completion
+        polls the socket itself: gRPC's experiments ``event_engine_client`` and
+        ``event_engine_listener`` off) or ``"event-engine"`` (gRPC's default: EventEngine
+        threads read the socket and hand each completion over). On the H200 host polling took
+        0.25-0.29 ms off every call (docs/ipc.md, session 37). gRPC reads the setting once, when
+        it is imported, so ``ddtree serve`` applies it before importing gRPC (see
+        ``grpc_environment``); a name in ``GRPC_EXPERIMENTS`` wins over it.
     max_concurrent_calls_per_client : int
         Calls one client identity (certificate subject, peer IP, or ``unix``) may have in
         flight; more get RESOURCE_EXHAUSTED (``OVERLOADED``); ``0`` for no per-client limit.
@@ -190,6 +210,7 @@ class ServiceConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     unix_socket_mode: int = 0o660
+    grpc_io: str = "polling"
     max_concurrent_calls_per_client: int = 0
     bind_regions_to_client: bool = True
     max_regions_per_client: int = 0
@@ -248,6 +269,8 @@ class ServiceConfig:
             raise ValueError("tls_cert, tls_key: expected both (TLS) or neither (plain text)")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca: client certificates need TLS; set tls_cert, tls_key")
+        if self.grpc_io not in _GRPC_IO_MODES:
+            raise ValueError(f"grpc_io: expected one of {_GRPC_IO_MODES}, got {self.grpc_io!r}")
         if not 0 <= self.unix_socket_mode <= 0o777:
             raise ValueError(
                 f"unix_socket_mode: expected 0..0o777, got {oct(self.unix_socket_mode)}"
@@ -296,6 +319,31 @@ class ServiceConfig:
         if self.cache_dir is not None:
             env["DDTREE_CACHE_DIR"] = str(self.cache_dir)
         return env
+
+    def grpc_environment(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The variables to set before gRPC is imported so that it serves as ``grpc_io`` says.
+
+        Parameters
+        ----------
+        environ : Mapping[str, str], optional
+            The environment gRPC would start with; ``os.environ`` by default.
+
+        Returns
+        -------
+        dict of str to str
+            ``{"GRPC_EXPERIMENTS": ...}``, the given list with the polling entries appended, or
+            ``{}`` when nothing is to change: ``"event-engine"`` (gRPC's default), or every
+            experiment concerned already named in ``GRPC_EXPERIMENTS`` (on or off: the
+            operator's choice wins).
+        """
+        if self.grpc_io != "polling":
+            return {}
+        env = os.environ if environ is None else environ
+        current = [item.strip() for item in env.get("GRPC_EXPERIMENTS", "").split(",")]
+        current = [item for item in current if item]
+        named = {item.lstrip("-") for item in current}
+        missing = [item for item in POLLING_GRPC_EXPERIMENTS if item.lstrip("-") not in named]
+        return {"GRPC_EXPERIMENTS": ",".join(current + missing)} if missing else {}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ServiceConfig:
@@ -378,6 +426,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="calls served at once, more are refused with RESOURCE_EXHAUSTED "
         f"[env DDTREE_MAX_CONCURRENT_CALLS; default {d.max_concurrent_calls}]",
+    )
+    group.add_argument(
+        "--grpc-io",
+        choices=_GRPC_IO_MODES,
+        help="how gRPC core serves the sockets: polling (the waiting thread polls them; "
+        "lower latency) or event-engine (gRPC's default); applied before gRPC starts "
+        f"[env DDTREE_GRPC_IO; default {d.grpc_io}]",
     )
     group.add_argument(
         "--grace-s",
@@ -599,6 +654,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "tls_key": Path,
     "tls_client_ca": Path,
     "unix_socket_mode": _octal,
+    "grpc_io": lambda v: v.strip().lower(),
     "max_concurrent_calls_per_client": int,
     "bind_regions_to_client": _env_bool,
     "max_regions_per_client": int,

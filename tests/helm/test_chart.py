@@ -116,6 +116,7 @@ def test_rendered_manifests_match_the_kubernetes_schemas(helm, values, version):
         ("ports.grpc=0", "ports.grpc"),
         ("gpu.count=-1", "gpu.count"),
         ("server.logLevel=LOUD", "server.logLevel"),
+        ("server.grpcIo=epoll", "server.grpcIo"),
         ("server.device=gpu0", "server.device"),
         ("serviceMonitor.interval=often", "serviceMonitor.interval"),
         ("unixSocket.hostPath=run/ddtree", "unixSocket.hostPath"),
@@ -294,6 +295,7 @@ def test_the_server_reads_every_rendered_setting_and_gets_the_chart_defaults(hel
     config = ServiceConfig.from_env({k: v for k, v in env.items() if k.startswith("DDTREE_")})
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     limits, keepalive = values["limits"], values["keepalive"]
+    assert config.grpc_io == values["server"]["grpcIo"]
     assert config.max_registered_regions == limits["maxRegisteredRegions"]
     assert config.max_registered_bytes == limits["maxRegisteredBytes"]
     assert config.memory_idle_timeout_s == limits["memoryIdleTimeoutSeconds"]
@@ -313,6 +315,7 @@ def test_the_server_reads_every_rendered_setting_and_gets_the_chart_defaults(hel
     # Where values.yaml keeps the server's defaults, the rendered pod changes nothing.
     defaults = ServiceConfig()
     for name in (
+        "grpc_io",
         "max_registered_regions",
         "max_registered_bytes",
         "memory_idle_timeout_s",

@@ -11,7 +11,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def load_bench(name: str) -> ModuleType:
-    """``bench/<name>.py`` imported as the module ``ddtree_bench_<name>``."""
+    """``bench/<name>.py`` imported as the module ``ddtree_bench_<name>``, with ``bench/`` on
+    ``sys.path`` for the modules it imports from beside it (as when it runs as a script)."""
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
     spec = importlib.util.spec_from_file_location(f"ddtree_bench_{name}", BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

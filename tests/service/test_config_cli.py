@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from helpers.serving import LogWatcher
 
+from ddtree.clients import Client
 from ddtree.service.cli import main
-from ddtree.service.config import ServiceConfig, config_from_args
+from ddtree.service.config import POLLING_GRPC_EXPERIMENTS, ServiceConfig, config_from_args
 
 
 def test_defaults_serve_on_loopback() -> None:
@@ -77,6 +80,7 @@ def test_flags_win_over_env_vars() -> None:
         ({"DDTREE_METRICS_PORT": "70000"}, "metrics_port"),
         ({"DDTREE_REQUEST_DEADLINE_CAP_S": "0"}, "request_deadline_cap_s"),
         ({"DDTREE_MAX_CHANNELS": "-1"}, "max_channels"),
+        ({"DDTREE_GRPC_IO": "epoll"}, "grpc_io"),
     ],
     ids=[
         "grace",
@@ -88,11 +92,69 @@ def test_flags_win_over_env_vars() -> None:
         "port",
         "cap",
         "channels",
+        "grpc-io",
     ],
 )
 def test_bad_values_name_the_setting(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         config_from_args([], env)
+
+
+def test_grpc_io_polling_appends_to_the_operators_experiments() -> None:
+    polling = config_from_args([], {})
+    assert polling.grpc_io == "polling"
+    assert polling.grpc_environment({}) == {"GRPC_EXPERIMENTS": ",".join(POLLING_GRPC_EXPERIMENTS)}
+    assert polling.grpc_environment({"GRPC_EXPERIMENTS": " foo , -event_engine_client"}) == {
+        "GRPC_EXPERIMENTS": "foo,-event_engine_client,-event_engine_listener"
+    }
+    # Every experiment concerned named by the operator, on or off: theirs stands.
+    named = {"GRPC_EXPERIMENTS": "event_engine_client,-event_engine_listener"}
+    assert polling.grpc_environment(named) == {}
+    engine = config_from_args(["--grpc-io", "event-engine"], {"DDTREE_GRPC_IO": "polling"})
+    assert engine.grpc_io == "event-engine"
+    assert engine.grpc_environment({}) == {}
+    assert config_from_args([], {"DDTREE_GRPC_IO": " Event-Engine"}).grpc_io == "event-engine"
+
+
+@pytest.mark.parametrize(
+    ("grpc_io", "endpoint_source"),
+    [("polling", "tcp_posix.cc"), ("event-engine", "posix_endpoint.cc")],
+)
+def test_serve_applies_grpc_io_before_grpc_starts(
+    tmp_path: Path, grpc_io: str, endpoint_source: str
+) -> None:
+    """gRPC's trace of the server's socket names the code that served it: the polling
+    endpoint (tcp_posix.cc) or the EventEngine's (posix_endpoint.cc). It fails if a gRPC
+    release drops the polling path (the setting would then change nothing)."""
+    socket = tmp_path / "serve.sock"
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    env.update(
+        PYTHONUNBUFFERED="1", DDTREE_GRPC_IO=grpc_io, GRPC_TRACE="tcp", GRPC_VERBOSITY="debug"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ddtree.service", "serve"]
+        + ["--device", "cpu", "--listen", f"unix:{socket}"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    log = LogWatcher(process.stderr)
+    try:
+        applied = log.wait_for("event=grpc_io ")
+        expected = ",".join(POLLING_GRPC_EXPERIMENTS) if grpc_io == "polling" else "-"
+        assert f"grpc_io={grpc_io} grpc_experiments={expected}" in applied
+        log.wait_for("event=serving")
+        with Client(f"unix:{socket}") as client:
+            assert not client.server_info().supports_memory_references  # a CPU server
+        log.wait_for(endpoint_source)
+        other = "posix_endpoint.cc" if grpc_io == "polling" else "tcp_posix.cc"
+        assert not any(other in line for line in log.lines)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.join()
+        assert process.stderr is not None
+        process.stderr.close()
 
 
 def test_help_explains_serving(capsys: pytest.CaptureFixture[str]) -> None:

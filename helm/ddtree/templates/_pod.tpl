@@ -87,6 +87,8 @@ spec:
           value: {{ .Values.server.backend | quote }}
         - name: DDTREE_LOG_LEVEL
           value: {{ .Values.server.logLevel | quote }}
+        - name: DDTREE_GRPC_IO
+          value: {{ .Values.server.grpcIo | quote }}
         - name: DDTREE_MAX_CONCURRENT_CALLS
           value: {{ .Values.server.maxConcurrentCalls | quote }}
         - name: DDTREE_MAX_MESSAGE_BYTES
