@@ -145,7 +145,7 @@ class ServiceConfig:
         polls the socket itself: gRPC's experiments ``event_engine_client`` and
         ``event_engine_listener`` off) or ``"event-engine"`` (gRPC's default: EventEngine
         threads read the socket and hand each completion over). On the H200 host polling took
-        0.25-0.29 ms off every call (docs/ipc.md, session 37). gRPC reads the setting once, when
+        0.14-0.39 ms off each call (docs/ipc.md, session 37). gRPC reads the setting once, when
         it is imported, so ``ddtree serve`` applies it before importing gRPC (see
         ``grpc_environment``); a name in ``GRPC_EXPERIMENTS`` wins over it.
     max_concurrent_calls_per_client : int
