@@ -25,13 +25,17 @@ a microsecond per stamped function. On a GPU: BuildTree and AcceptTree at batch 
 with static ones (``out=``). With ``--cpu``: the reference backend, batch 1, vocab 1024, budget 8,
 tensors inline. Writes ``bench/results/<date>-<device>-ipc-timeline.json`` (or ``--out``).
 
+``--idle-ms MS`` makes the caller sleep that long before each measured call, as a decode loop
+calls once per step while the model runs (both processes' threads then wake from idle).
+
 ``--cpus SERVER/CALLER`` (e.g. ``2,3/4``) pins the server process and this one to those CPUs, as
 a deployment that gives both exclusive cores would (Kubernetes' static CPU manager policy).
 
 The server runs with its Prometheus metrics on (a free loopback port), as the Helm chart
 deploys it (since session 18).
 
-Usage: ``python bench/bench_ipc_timeline.py [--cpu] [--calls N] [--cpus S/C] [--out PATH]``.
+Usage: ``python bench/bench_ipc_timeline.py [--cpu] [--calls N] [--idle-ms MS] [--cpus S/C]
+[--out PATH]``.
 """
 
 from __future__ import annotations
@@ -211,13 +215,17 @@ def _timeline(
     caller: _CallerStamps,
     server: subprocess.Popen[str],
     path: str,
+    idle_s: float = 0.0,
 ) -> dict[str, float]:
-    """Medians (us) of each segment of ``calls`` serial calls of ``call``."""
+    """Medians (us) of each segment of ``calls`` serial calls of ``call``, the caller sleeping
+    ``idle_s`` before each."""
     for _ in range(30):
         call()
     _server_stamps(server, path)
     spans = []
     for _ in range(calls):
+        if idle_s:
+            time.sleep(idle_s)
         caller.grpc.clear()
         start = time.monotonic_ns()
         call()
@@ -271,6 +279,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="S/C",
         help="CPUs of the server and of the caller, e.g. 2,3/4",
     )
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=0.0,
+        help="caller sleep before each call, as a decode loop calls once per step (0)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     server_cpus = caller_cpus = None
@@ -299,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
         "shape": {"batch_size": logits.shape[0], "vocab_size": logits.shape[2], "budget": budget},
         "calls": args.calls,
+        "caller_idle_ms": args.idle_ms,
         "cpus": None
         if args.cpus is None
         else {"server": sorted(server_cpus), "caller": sorted(caller_cpus)},
@@ -332,7 +347,9 @@ def main(argv: list[str] | None = None) -> None:
                 tree, targets, out=static_acceptance
             )
             for kind, call in kinds.items():
-                figures = _timeline(call, args.calls, caller, server, stamps_path)
+                figures = _timeline(
+                    call, args.calls, caller, server, stamps_path, args.idle_ms / 1e3
+                )
                 results["kinds"][kind] = figures
                 sys.stdout.write(f"{kind:16s} {figures}\n")
     out.parent.mkdir(parents=True, exist_ok=True)

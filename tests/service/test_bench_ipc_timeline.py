@@ -9,17 +9,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from helpers.scripts import load_bench
 
 from ddtree.clients import remote
 
 
-def test_every_segment_of_every_kind_is_measured(tmp_path: Path) -> None:
+@pytest.mark.parametrize("idle_ms", [0, 50])
+def test_every_segment_of_every_kind_is_measured(tmp_path: Path, idle_ms: int) -> None:
     call = remote.Client._call
     out = tmp_path / "timeline.json"
-    load_bench("bench_ipc_timeline").main(["--cpu", "--calls", "5", "--out", str(out)])
+    argv = ["--cpu", "--calls", "5", "--idle-ms", str(idle_ms), "--out", str(out)]
+    load_bench("bench_ipc_timeline").main(argv)
     assert remote.Client._call is call
-    kinds = json.loads(out.read_text())["kinds"]
+    results = json.loads(out.read_text())
+    assert results["caller_idle_ms"] == idle_ms
+    kinds = results["kinds"]
+    # The caller's idle time is outside every call.
+    assert kinds["bare_call"]["total"] < 50_000
     assert set(kinds) == {
         "bare_call",
         "build_tree",
