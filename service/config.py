@@ -68,6 +68,7 @@ __all__ = [
     "ServiceConfig",
     "add_arguments",
     "config_from_args",
+    "grpc_experiments",
     "parse_listen",
 ]
 
@@ -338,8 +339,7 @@ class ServiceConfig:
         """
         if self.grpc_io != "polling":
             return {}
-        env = os.environ if environ is None else environ
-        current = [item.strip() for item in env.get("GRPC_EXPERIMENTS", "").split(",")]
+        current = [item.strip() for item in grpc_experiments(environ).split(",")]
         current = [item for item in current if item]
         named = {item.lstrip("-") for item in current}
         missing = [item for item in POLLING_GRPC_EXPERIMENTS if item.lstrip("-") not in named]
@@ -355,6 +355,13 @@ class ServiceConfig:
             A variable does not parse or is out of range; the message names it.
         """
         return config_from_args([], environ)
+
+
+def grpc_experiments(environ: Mapping[str, str] | None = None) -> str:
+    """``GRPC_EXPERIMENTS`` of ``environ`` (``os.environ`` by default), ``""`` when unset: the
+    experiments gRPC turns on (a bare name) or off (``-name``) when it is imported."""
+    env = os.environ if environ is None else environ
+    return env.get("GRPC_EXPERIMENTS", "")
 
 
 def parse_listen(address: str) -> tuple[str, str]:

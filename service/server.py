@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from ddtree.service.access import AccessInterceptor, bind, server_credentials
 from ddtree.service.calls import CallLimits
 from ddtree.service.channel import ChannelLimits
-from ddtree.service.config import ServiceConfig, parse_listen
+from ddtree.service.config import ServiceConfig, grpc_experiments, parse_listen
 from ddtree.service.convert import TensorResolver
 from ddtree.service.engine import Engine, EngineObserver
 from ddtree.service.errors import DDTreeError, Internal, Overloaded, ShuttingDown
@@ -643,6 +643,6 @@ def serve(config: ServiceConfig) -> int:
         _log.info(
             "event=grpc_io grpc_io=%s grpc_experiments=%s",
             config.grpc_io,
-            os.environ.get("GRPC_EXPERIMENTS") or "-",
+            grpc_experiments() or "-",
         )
     return asyncio.run(_serve(config))
