@@ -96,6 +96,7 @@ from ddtree.clients.remote import _build_tree_op, _memo_entry, _request
 from ddtree.kernels.types import Tree
 from ddtree.service import convert
 from ddtree.service.call_memo import DecodedCalls
+from ddtree.service.config import grpc_experiments
 from ddtree.service.engine import Engine
 from ddtree.service.errors import IpcOpenFailed
 from ddtree.service.memory import device_bytes
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         "logits_bytes_b32": batch32["logits"].numel() * 2,
         "inline_ops": "default (on: CUDA)" if inline_ops is None else inline_ops,
         "server_metrics": metrics,
-        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
+        "grpc_experiments": grpc_experiments(),  # caller and server
         "kernel_ms": kernel,
         "transports": {},
     }
@@ -496,7 +497,7 @@ def _main_serial_only(label: str, out: Path, iters: int, metrics: bool) -> None:
         "server_start_s": round(start_s, 1),
         "build_tree_repeatable": same,
         "server_metrics": metrics,
-        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
+        "grpc_experiments": grpc_experiments(),  # caller and server
     }
     line.update({name: _stats(values) for name, values in latencies.items()})
     line["build_tree_above_echo_ms"] = round(
@@ -773,7 +774,7 @@ def _main_cpu(
         "grpcio": grpc.__version__,
         "inline_ops": "default (off: CPU)" if inline_ops is None else inline_ops,
         "server_metrics": metrics,
-        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
+        "grpc_experiments": grpc_experiments(),  # caller and server
         "shape": {
             "batch_size": 1,
             "draft_len": DRAFT_LEN,

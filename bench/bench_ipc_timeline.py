@@ -62,6 +62,7 @@ import torch
 from caller_grpc_io import restart_with_server_grpc_io
 
 from ddtree.clients import Client, remote
+from ddtree.service.config import grpc_experiments
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 
 _LAUNCHER = r"""
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": date,
         "device": device if args.cpu else torch.cuda.get_device_name(),
         "transport": transport,
-        "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
+        "grpc_experiments": grpc_experiments(),  # caller and server
         "shape": {"batch_size": logits.shape[0], "vocab_size": logits.shape[2], "budget": budget},
         "calls": args.calls,
         "caller_idle_ms": args.idle_ms,

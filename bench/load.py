@@ -43,6 +43,7 @@ from caller_grpc_io import restart_with_server_grpc_io
 
 from ddtree.clients import Client, KvCommit, RetryPolicy
 from ddtree.clients.errors import DDTreeClientError
+from ddtree.service.config import grpc_experiments
 
 _log = logging.getLogger("ddtree.bench.load")
 
@@ -374,7 +375,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "duration_s": args.duration_s,
             "warm_up_s": args.warm_up_s,
             "transport": "loopback TCP",
-            "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", ""),  # caller and server
+            "grpc_experiments": grpc_experiments(),  # caller and server
             "machine_load_average_1m": [round(load_start, 2), round(load_end, 2)],
             "tensors": "inline and by reference" if by_reference else "inline",
             "server_backend": info.devices[0].backend if info.devices else None,

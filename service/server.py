@@ -632,12 +632,13 @@ def serve(config: ServiceConfig) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     os.environ.update(config.kernel_environment())
-    if config.grpc_environment():
+    missing = config.grpc_environment()
+    if missing:
         # gRPC was imported before the command could set it (serve called from Python).
         _log.warning(
             "event=grpc_io_not_applied grpc_io=%s needs=GRPC_EXPERIMENTS=%s (set before start)",
             config.grpc_io,
-            config.grpc_environment()["GRPC_EXPERIMENTS"],
+            missing["GRPC_EXPERIMENTS"],
         )
     else:
         _log.info(
