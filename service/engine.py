@@ -222,6 +222,25 @@ class EngineInfo:
     """GPU doorbell channels open at once; ``0``: this engine offers none."""
 
 
+class _ThreadOwnership(threading.local):
+    """Per thread: whether an engine's device and stream are current on it for good
+    (``Engine.own_thread``)."""
+
+    owned = False
+
+
+@dataclass(frozen=True, slots=True)
+class _FlagViews:
+    """An engine's verdict buffers seen at one batch size (``Engine._flag_rows``)."""
+
+    flags: torch.Tensor  # [batch_size] int32, device: the ops' error_flags
+    host_flags: torch.Tensor | None  # [batch_size] int32, pinned host (CUDA only)
+    sizes: torch.Tensor  # [batch_size] int32, device: a replayed build's num_nodes
+    host_sizes: torch.Tensor | None  # [batch_size] int32, pinned host (CUDA only)
+    rows: torch.Tensor  # [2, size] int32, device: both rows whole
+    host_rows: torch.Tensor | None  # [2, size] int32, pinned host (CUDA only)
+
+
 def _layout(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
     """What a kernel launch reads of a tensor: address, shape, strides, dtype."""
     return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
@@ -326,13 +345,16 @@ class Engine:
         )
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._device_lock = threading.Lock()  # held while an op runs, on whichever thread
+        self._thread = _ThreadOwnership()
         self._flags: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        """``error_flags`` on the device and its pinned host copy, reused (``_flag_buffers``)."""
-        self._flag_views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        """``[2, size]`` int32 on the device and its pinned host copy, reused: ``error_flags``
+        (row 0) and the tree sizes of a replayed build (row 1); see ``_flag_buffers``."""
+        self._flag_views: dict[int, _FlagViews] = {}
         self._flags_are_zero = False
-        """Whether the whole device flag buffer is known to be zero (``_flag_buffers``)."""
-        self._nodes_host: torch.Tensor | None = None
-        """Pinned host buffer for the tree sizes of builds into caller memory (``_host_copy``)."""
+        """Whether the whole device flag row is known to be zero (``_flag_buffers``)."""
+        self._settled = False
+        """Set by an op whose verdict's stream synchronisation was its last device work: the
+        call's closing synchronisation (``_run_on_stream``) is then skipped."""
         self._graphs: LaunchGraphs[Any] | None = (
             LaunchGraphs() if self._stream is not None else None
         )
@@ -347,7 +369,7 @@ class Engine:
         self._worker = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=f"ddtree-{self.device}",
-            initializer=self._enter_stream,
+            initializer=self.own_thread,
         )
         self.memory: RegionTable | None = None
         """Registered caller memory (CUDA IPC); ``None`` on the CPU or without cuda-python."""
@@ -710,67 +732,106 @@ class Engine:
         write of caller memory is complete before the future resolves; the leases are released
         when the future is done (also when it is cancelled before running).
         """
-        handle, field = wait_event
-        touches_caller_memory = bool(leases) or bool(handle)
-
-        def run_on_stream() -> _T:
-            if handle and self._events is not None and self._stream is not None:
-                self._events.wait(handle, self._stream.cuda_stream, field)
-            try:
-                return work()
-            finally:
-                # Also on errors: no launched read or write of caller memory may outlive the
-                # call (its leases end with it).
-                if touches_caller_memory and self._stream is not None:
-                    self._stream.synchronize()
-
-        def run() -> _T:
-            with self._device_lock:
-                return run_checked()
-
-        def run_checked() -> _T:
-            if deadline_s is not None and time.monotonic() > deadline_s:
-                raise DeadlineExceeded("deadline passed while the call waited for the device")
-            if self._poisoned_by is not None:
-                raise ShuttingDown("engine: the device failed earlier, the server is restarting")
-            try:
-                return run_on_stream()
-            except torch.OutOfMemoryError as err:
-                raise OutOfMemory(f"device {self.device} is out of memory: {err}") from err
-            except torch.AcceleratorError as err:
-                # A device error is sticky: the CUDA context is unusable from here on.
-                self._poisoned_by = str(err)
-                _log.error("event=device_failed device=%s error=%s", self.device, err)
-                raise Internal(
-                    f"device {self.device} failed; this server instance stops serving"
-                ) from err
-
         # A call that waits on the caller's IPC event never runs inline: the caller's stream,
         # not this engine's work, decides how long that wait blocks the calling thread.
-        inline = inline and not handle and self.inline_ops
-        if inline and self._device_lock.acquire(blocking=False):
+        if (
+            inline
+            and not wait_event[0]
+            and self.inline_ops
+            and self._device_lock.acquire(blocking=False)
+        ):
             future: Future[_T] = Future()
-            future.set_running_or_notify_cancel()
             try:
-                future.set_result(self._on_stream(run_checked))
+                if self._thread.owned:
+                    result = self._run_checked(deadline_s, work, leases, wait_event)
+                else:
+                    result = self._on_stream(
+                        lambda: self._run_checked(deadline_s, work, leases, wait_event)
+                    )
             except BaseException as err:  # delivered through the future, as from the worker
                 future.set_exception(err)
+            else:
+                future.set_result(result)
             finally:
                 self._device_lock.release()
-        else:
-            try:
-                future = self._worker.submit(run)
-            except RuntimeError as err:  # the executor was shut down between check and submit
-                raise ShuttingDown(
-                    "engine: shutting down, send the call to another replica"
-                ) from err
+                _release(leases)
+            return future
+        try:
+            future = self._worker.submit(self._run_locked, deadline_s, work, leases, wait_event)
+        except RuntimeError as err:  # the executor was shut down between check and submit
+            raise ShuttingDown("engine: shutting down, send the call to another replica") from err
         if leases is not None:
             future.add_done_callback(lambda _: leases.release())
         return future
 
+    def _run_locked(
+        self,
+        deadline_s: float | None,
+        work: Callable[[], _T],
+        leases: Leases | None,
+        wait_event: tuple[bytes, str],
+    ) -> _T:
+        # On the device worker.
+        with self._device_lock:
+            return self._run_checked(deadline_s, work, leases, wait_event)
+
+    def _run_checked(
+        self,
+        deadline_s: float | None,
+        work: Callable[[], _T],
+        leases: Leases | None,
+        wait_event: tuple[bytes, str],
+    ) -> _T:
+        """``work()`` under the device lock, on this engine's stream: the deadline and engine
+        state checked first, device errors mapped (a device failure poisons the engine)."""
+        if deadline_s is not None and time.monotonic() > deadline_s:
+            raise DeadlineExceeded("deadline passed while the call waited for the device")
+        if self._poisoned_by is not None:
+            raise ShuttingDown("engine: the device failed earlier, the server is restarting")
+        try:
+            return self._run_on_stream(work, bool(leases), wait_event)
+        except torch.OutOfMemoryError as err:
+            raise OutOfMemory(f"device {self.device} is out of memory: {err}") from err
+        except torch.AcceleratorError as err:
+            # A device error is sticky: the CUDA context is unusable from here on.
+            self._poisoned_by = str(err)
+            _log.error("event=device_failed device=%s error=%s", self.device, err)
+            raise Internal(
+                f"device {self.device} failed; this server instance stops serving"
+            ) from err
+
+    def _run_on_stream(
+        self, work: Callable[[], _T], has_leases: bool, wait_event: tuple[bytes, str]
+    ) -> _T:
+        handle, field = wait_event
+        if handle and self._events is not None and self._stream is not None:
+            self._events.wait(handle, self._stream.cuda_stream, field)
+        self._settled = False
+        try:
+            return work()
+        finally:
+            # Also on errors: no launched read or write of caller memory may outlive the
+            # call (its leases end with it). An op that ended with its verdict's
+            # synchronisation and queued nothing after it says so (``_settled``).
+            if (has_leases or handle) and self._stream is not None and not self._settled:
+                self._stream.synchronize()
+
+    def own_thread(self) -> None:
+        """Make this engine's device and stream current on the calling thread for good.
+
+        Inline ops (``inline=True``) on such a thread skip switching to the engine's stream
+        and back (four torch calls, 7 us per op on the H200 host when hot, about 29 us after
+        a millisecond of idle). For a thread that queues no other CUDA work without naming
+        its stream: the server's event loop, and the device worker (which every engine owns).
+        """
+        if self._stream is not None:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self._stream)
+        self._thread.owned = True
+
     def _on_stream(self, work: Callable[[], _T]) -> _T:
         """``work()`` on this thread with this engine's stream (and with it its device) current,
-        restoring the thread's stream after it: an inline op on the caller's thread.
+        restoring the thread's stream after it: an inline op on a thread it does not own.
 
         ``torch.cuda.stream`` does the same through two current-device lookups that each check
         whether CUDA is available; this reads the current device once, and takes that path
@@ -789,12 +850,6 @@ class Engine:
             return work()
         finally:
             torch.cuda.set_stream(previous)
-
-    def _enter_stream(self) -> None:
-        # The worker's initializer: every op of this engine runs on its stream.
-        if self._stream is not None:
-            torch.cuda.set_device(self.device)
-            torch.cuda.set_stream(self._stream)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         # A reference into caller memory is already there: two property reads instead of two
@@ -861,10 +916,10 @@ class Engine:
         """
         flags, host = self._flag_buffers(batch_size)
         if not self._flags_are_zero and not continues:
-            # The whole buffer: a failed op may have flagged requests past this op's batch.
+            # The whole row: a failed op may have flagged requests past this op's batch.
             whole = self._flags
             assert whole is not None  # made by _flag_buffers
-            whole[0].zero_()
+            whole[0][0].zero_()
         self._flags_are_zero = False  # until _check_flags reads this launch's flags back
         timer = self._observer.time_op(op, self.device, self._stream) if observe else _NO_TIMER
         try:
@@ -882,7 +937,7 @@ class Engine:
 
     def _flag_buffers(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The ``error_flags`` of one op (``[batch_size]`` int32 on the device) and, on CUDA,
-        the pinned host buffer its verdict is copied into.
+        the pinned host buffer its verdict is copied into (row 0 of ``_flag_rows``).
 
         Both are this engine's, reused by every op: every op (warm-up's too) holds the device
         lock, every use is ordered on the engine's stream (zeroed there before the launch,
@@ -891,31 +946,46 @@ class Engine:
         A fresh allocation per op cost a device allocation and a pinned host allocation (whose
         release records an event) each time. The views of each batch size are kept too.
 
-        The device buffer is zeroed before an op only when it may not be zero: after an op
-        whose flags ``_check_flags`` read back as all zero (following the stream
-        synchronisation that completes every write to them), the whole buffer is known to be
-        zero, since ops write only their own batch's flags and nothing else writes the buffer.
-        A launch clears that knowledge until its flags are read back; a flagged request, or
-        an op that failed before its verdict, leaves the buffer to be zeroed whole before the
-        next op. On a busy host a kernel launch is the costliest step of the op's own host
-        work (the zeroing launch took about 50 us on the H200 machine, the profile of
+        The device row is zeroed before an op only when it may not be zero: after an op whose
+        flags ``_check_flags`` read back as all zero (following the stream synchronisation
+        that completes every write to them), the whole row is known to be zero, since ops
+        write only their own batch's flags and nothing else writes the row. A launch clears
+        that knowledge until its flags are read back; a flagged request, or an op that failed
+        before its verdict, leaves the row to be zeroed whole before the next op. On a busy
+        host a kernel launch is the costliest step of the op's own host work (the zeroing
+        launch took about 50 us on the H200 machine, the profile of
         ``bench/results/2026-11-30-h200-ipc-s4-server-profile.txt``).
         """
+        views = self._flag_rows(batch_size)
+        return views.flags, views.host_flags
+
+    def _flag_rows(self, batch_size: int) -> _FlagViews:
+        """The views of ``batch_size`` requests into this engine's ``[2, size]`` verdict
+        buffers: row 0 the ``error_flags``, row 1 the tree sizes of a replayed build, which its
+        graph copies there so that one device-to-host copy brings back both
+        (``_build_tree``)."""
         views = self._flag_views.get(batch_size)
         if views is not None:
             return views
         buffers = self._flags
-        if buffers is None or buffers[0].numel() < batch_size:
+        if buffers is None or buffers[0].shape[1] < batch_size:
             size = max(batch_size, self.limits.max_batch_size)
-            flags = torch.zeros(size, dtype=torch.int32, device=self.device)  # [size]
+            rows = torch.zeros(2, size, dtype=torch.int32, device=self.device)  # [2, size]
             host = None
             if self._stream is not None:
-                host = torch.zeros(size, dtype=torch.int32, pin_memory=True)  # [size]
-            buffers = self._flags = (flags, host)
+                host = torch.zeros(2, size, dtype=torch.int32, pin_memory=True)  # [2, size]
+            buffers = self._flags = (rows, host)
             self._flag_views = {}
             self._flags_are_zero = True  # zeroed on this stream, before any op's launch
-        flags, host = buffers
-        views = (flags[:batch_size], None if host is None else host[:batch_size])
+        rows, host = buffers
+        views = _FlagViews(
+            flags=rows[0, :batch_size],
+            host_flags=None if host is None else host[0, :batch_size],
+            sizes=rows[1, :batch_size],
+            host_sizes=None if host is None else host[1, :batch_size],
+            rows=rows,
+            host_rows=host,
+        )
         self._flag_views[batch_size] = views
         return views
 
@@ -1011,26 +1081,29 @@ class Engine:
             )
             if prepared is not None:
                 prepared.launch_key = launch_key
-        key = (launch_key, self._flag_buffers(batch_size)[0].data_ptr())
-        tree, flags = self._launch_op(
-            "build_tree", lambda f: graphs.run(key, lambda: launch(f)), batch_size
-        )
-        num_nodes = self._host_copy(tree.num_nodes)  # waited for with the flags
-        self._check_flags("build_tree", flags)
-        self._observer.observe_trees(num_nodes, model=call.model)
-        return tree
+        views = self._flag_rows(batch_size)
+        key = (launch_key, views.flags.data_ptr(), views.sizes.data_ptr())
 
-    def _host_copy(self, num_nodes: torch.Tensor) -> torch.Tensor:
-        """Queue a copy of ``num_nodes`` (``[batch]`` int32, on the device) into this engine's
-        pinned host buffer; the view is valid after the next ``_check_flags`` and until the
-        next op."""
-        host = self._nodes_host
-        if host is None or host.numel() < num_nodes.numel():
-            size = max(num_nodes.numel(), self.limits.max_batch_size)
-            host = self._nodes_host = torch.empty(size, dtype=torch.int32, pin_memory=True)
-        view = host[: num_nodes.numel()]
-        view.copy_(num_nodes, non_blocking=True)
-        return view
+        def launch_and_stage(flags: torch.Tensor) -> Tree:
+            # The tree sizes go next to the flags (captured with the launch, replayed with it),
+            # so one copy brings both back.
+            tree = launch(flags)
+            views.sizes.copy_(tree.num_nodes)
+            return tree
+
+        tree, _ = self._launch_op(
+            "build_tree",
+            lambda f: graphs.run(key, lambda: launch_and_stage(f)),
+            batch_size,
+            copy_flags=False,
+        )
+        host_rows, host_flags, host_sizes = views.host_rows, views.host_flags, views.host_sizes
+        assert host_rows is not None and host_flags is not None and host_sizes is not None  # CUDA
+        host_rows.copy_(views.rows, non_blocking=True)
+        self._check_flags("build_tree", host_flags)
+        self._observer.observe_trees(host_sizes, model=call.model)  # host data: nothing queued
+        self._settled = True
+        return tree
 
     def _tree_result(self, tree: Tree, device: torch.device | None) -> Tree:
         if device is None or device == self.device:

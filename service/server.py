@@ -352,6 +352,9 @@ class Server:
             warming the engine itself.
         """
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        # A lone call's op runs inline on this event loop (the servicer asks for it), which
+        # queues no other CUDA work: its current stream may stay the engine's.
+        self.engine.own_thread()
         await self.grpc_server.start()
         _log.info("event=listening addresses=%s", ",".join(self.addresses))
         if warm_up:

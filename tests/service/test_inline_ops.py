@@ -127,6 +127,40 @@ def test_a_call_waiting_on_a_caller_event_goes_to_the_worker(step: Step) -> None
     assert recorder.launches[-1][1] != threading.get_ident()
 
 
+@pytest.mark.gpu
+def test_an_owned_thread_keeps_the_engine_stream_and_others_get_theirs_back(step: Step) -> None:
+    """An inline op on a thread the engine owns (``own_thread``: the server's event loop) leaves
+    the engine's stream current; on any other thread the thread's own stream is restored."""
+    errors: list[BaseException] = []
+
+    def run(engine: Engine) -> None:
+        try:
+            own = torch.cuda.Stream()
+            torch.cuda.set_stream(own)
+            call = build_call(
+                step, draft_logits=step.draft_logits.cuda(), root_tokens=step.root_tokens.cuda()
+            )
+            first = engine.build_tree(call, inline=True).result(timeout=60)
+            assert torch.cuda.current_stream() == own
+            engine.own_thread()
+            assert torch.cuda.current_stream() == engine._stream
+            again = engine.build_tree(call, inline=True).result(timeout=60)
+            assert torch.cuda.current_stream() == engine._stream
+            for name in TREE_NAMES:
+                assert torch.equal(getattr(first, name), getattr(again, name)), name
+            for name in ("tokens", "parents", "depths", "num_nodes", "mask"):
+                assert torch.equal(getattr(again, name).cpu(), getattr(step.tree, name)), name
+        except BaseException as err:  # reported on the test's thread
+            errors.append(err)
+
+    with Engine(device="cuda:0") as engine:
+        engine.warm_up()
+        thread = threading.Thread(target=run, args=(engine,))
+        thread.start()
+        thread.join(timeout=120)
+    assert not thread.is_alive() and not errors, errors
+
+
 def test_a_busy_device_queues_the_call_on_the_worker(
     engine: Engine, recorder: Gate, step: Step
 ) -> None:

@@ -8,7 +8,9 @@ never be used for a call whose buffers or arguments differ. GPU only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import replace
 
 import pytest
@@ -72,6 +74,57 @@ def test_repeated_builds_are_replayed_with_fresh_inputs(engine: Engine) -> None:
         _assert_same(out, kernels.build_tree(logits, roots, 64, backend="reference"))
     assert _graphs(engine).replays == 4
     assert len(_graphs(engine)) == 1
+
+
+class _TreeSizes:
+    """An engine observer that keeps the tree sizes each build reports (nothing else)."""
+
+    def __init__(self) -> None:
+        self.reported: list[list[int]] = []
+
+    def time_op(
+        self, op: str, device: torch.device, stream: torch.cuda.Stream | None = None
+    ) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
+        self.reported.append(num_nodes.tolist())
+
+    def observe_acceptance(
+        self,
+        nodes: torch.Tensor,
+        length: torch.Tensor,
+        num_nodes: torch.Tensor,
+        *,
+        model: str = "",
+    ) -> None:
+        return None
+
+
+def test_a_replayed_build_reports_its_own_tree_sizes() -> None:
+    """A replayed build's graph copies the tree sizes next to the error flags (one copy to the
+    host brings both back): the observer gets this call's sizes, never the capture's."""
+    sizes = _TreeSizes()
+    with Engine(device="cuda:0", observer=sizes) as engine:
+        engine.warm_up()
+        logits = torch.empty(BATCH, DRAFT_LEN, VOCAB, dtype=torch.float32, device="cuda")
+        roots = torch.zeros(BATCH, dtype=torch.int64, device="cuda")
+        out = poisoned_tree(BATCH, 1 + DRAFT_LEN, DRAFT_LEN, device="cuda")
+        call = BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=DRAFT_LEN, out=out)
+        generator = torch.Generator().manual_seed(70)
+        for step in range(6):  # eager, captured, then replayed
+            depths = torch.randint(0, DRAFT_LEN + 1, (BATCH,), generator=generator).tolist()
+            # Request r's tree is a chain of depths[r] drafted tokens: one finite logit at each
+            # position before that depth, none after it.
+            logits.fill_(float("-inf"))
+            for row, depth in enumerate(depths):
+                logits[row, :depth, step + row] = 0.0
+            poison(out)
+            engine.build_tree(call, inline=True).result(timeout=60)
+            _assert_same(out, kernels.build_tree(logits, roots, DRAFT_LEN, backend="reference"))
+            assert out.num_nodes.tolist() == [1 + depth for depth in depths]
+            assert sizes.reported[-1] == [1 + depth for depth in depths]
+        assert _graphs(engine).replays == 5
 
 
 def test_a_reused_call_keeps_its_replay_key(engine: Engine) -> None:
