@@ -16,7 +16,7 @@ All three return ``ddtree.kernels.types.Tree`` / ``Acceptance`` and raise
 from ddtree.clients.channel import Channel
 from ddtree.clients.embedded import EmbeddedClient
 from ddtree.clients.errors import DDTreeClientError
-from ddtree.clients.remote import AsyncClient, Client, RetryPolicy, TlsOptions
+from ddtree.clients.remote import AsyncClient, Client, PreparedCall, RetryPolicy, TlsOptions
 from ddtree.clients.types import DeviceInfo, KvCommit, MemoryRegion, ServerInfo, ServerLimits
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "EmbeddedClient",
     "KvCommit",
     "MemoryRegion",
+    "PreparedCall",
     "RetryPolicy",
     "ServerInfo",
     "ServerLimits",

@@ -172,6 +172,25 @@ def test_inline_out_is_filled_and_returned(address: str) -> None:
         assert_same(acceptance, expected, ACCEPTANCE_NAMES)
 
 
+def test_a_prepared_build_inline_equals_the_plain_call_every_step(address: str) -> None:
+    # Inline there is nothing to resend: every call is a plain one, with the tensors' current
+    # contents, into ``out`` (whose tensors may even be given new storage between calls).
+    first, second = make_step(seed=4), make_step(seed=5)
+    logits, roots = first.draft_logits.clone(), first.root_tokens.clone()
+    out = step_tree_out(first)
+    with Client(address) as client:
+        prepared = client.prepare_build_tree(logits, roots, BUDGET, out=out)
+        for step in (first, second, first):
+            logits.copy_(step.draft_logits)
+            roots.copy_(step.root_tokens)
+            expected = client.build_tree(logits, roots, BUDGET)
+            assert prepared() is out
+            assert_same(out, expected, TREE_NAMES)
+        out.tokens.set_(torch.full_like(out.tokens, 7))
+        assert prepared(timeout_s=30) is out
+        assert_same(out, expected, TREE_NAMES)
+
+
 def test_async_inline_out_is_filled_and_returned(address: str) -> None:
     step = make_step(seed=6)
     out = step_tree_out(step)

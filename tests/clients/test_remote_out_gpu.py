@@ -112,6 +112,61 @@ def test_out_by_reference_equals_inline_and_repeats_hit_the_memo(
         assert memo.hits >= 4
 
 
+def test_a_prepared_build_resends_its_request_with_the_current_contents(
+    server: ServerProcess,
+) -> None:
+    """After the calls that register and build the request, a prepared call sends the same
+    request again without looking it up (the memo is not consulted), and every step's result
+    is that of the tensors' contents at the call."""
+    logits, roots = inputs(seed=3)
+    out = tree_in(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    with (
+        Client(server.address, tensor_transport="ipc") as ipc,
+        Client(server.address) as inline,
+    ):
+        prepared = ipc.prepare_build_tree(logits, roots, BUDGET, out=out)
+        memo = ipc._ipc.memo  # type: ignore[union-attr]
+        for seed in range(4, 10):
+            new_logits, new_roots = inputs(seed)
+            logits.copy_(new_logits)
+            roots.copy_(new_roots)
+            expected = inline.build_tree(logits, roots, BUDGET)
+            for name in TREE_NAMES:
+                getattr(out, name).fill_(-7)
+            assert prepared() is out
+            assert_same(out, expected, TREE_NAMES)
+            if seed == 5:  # registered (4), then built and kept (5)
+                hits = memo.hits
+        assert memo.hits == hits
+
+
+def test_a_prepared_build_follows_tensors_given_new_memory(server: ServerProcess) -> None:
+    """A tensor given other memory in place (``set_``) is noticed: the call is prepared again
+    for the new addresses, reads the new input and writes the new destination, never the old
+    memory (still alive here, so a stale request would go unnoticed by the server)."""
+    logits, roots = inputs(seed=11)
+    out = tree_in(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    with (
+        Client(server.address, tensor_transport="ipc") as ipc,
+        Client(server.address) as inline,
+    ):
+        prepared = ipc.prepare_build_tree(logits, roots, BUDGET, out=out)
+        for _ in range(3):
+            prepared()
+        old_tokens = out.tokens.view_as(out.tokens)  # the old memory, kept alive
+        old_logits = logits.view_as(logits)
+        new_logits, _ = inputs(seed=12)
+        logits.set_(new_logits)
+        out.tokens.set_(torch.full_like(old_tokens, -7))
+        old_tokens.fill_(-7)
+        expected = inline.build_tree(new_logits, roots, BUDGET)
+        for _ in range(3):
+            assert prepared() is out
+            assert_same(out, expected, TREE_NAMES)
+        assert bool((old_tokens == -7).all())
+        assert not torch.equal(old_logits, logits)
+
+
 def test_memory_freed_and_reallocated_at_the_same_address_is_written_anew(
     server: ServerProcess,
 ) -> None:

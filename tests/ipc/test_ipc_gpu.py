@@ -33,7 +33,7 @@ from ddtree.clients.cuda import (
     locate,
     query_buffer_id,
 )
-from ddtree.kernels.types import Tree
+from ddtree.kernels.types import TREE_FIELDS, Tree
 from ddtree.v1 import tensor_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 from ddtree.v1 import tree_speculation_service_pb2_grpc as pb_grpc
@@ -368,6 +368,56 @@ def test_restarted_server_is_re_registered_transparently(tmp_path: Path, cache_d
     finally:
         first.stop()
     assert_same_tree(after, before)
+
+
+def test_memoized_and_prepared_requests_after_a_restart_are_re_registered(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    # Static destinations: each client resends a kept request (one through its request memo,
+    # one prepared), which names regions the restarted server never saw
+    # (MEMORY_TOKEN_NOT_FOUND); it registers them and sends anew.
+    socket = tmp_path / "restart-memo.sock"
+    step = inputs(seed=9)
+    logits, roots = step["draft_logits"], step["root_tokens"]
+    first = ServerProcess(socket).wait_serving()
+    patient = RetryPolicy(max_attempts=8, initial_backoff_s=0.2)
+    try:
+        with (
+            Client(first.address, tensor_transport="ipc", retry=patient) as memoized,
+            Client(first.address, tensor_transport="ipc", retry=patient) as preparing,
+        ):
+            expected = memoized.build_tree(logits, roots, 12)
+            out = memoized.build_tree(logits, roots, 12)  # destinations in this process
+            other_out = memoized.build_tree(logits, roots, 12)
+            prepared = preparing.prepare_build_tree(logits, roots, 12, out=other_out)
+            for _ in range(3):
+                assert memoized.build_tree(logits, roots, 12, out=out) is out
+                assert prepared() is other_out
+            memo = memoized._ipc.memo  # type: ignore[union-attr]
+            assert memo.hits >= 1
+            first.stop()
+            second = ServerProcess(socket).wait_serving()
+            try:
+                for tree in (out, other_out):
+                    for name in TREE_FIELDS:
+                        getattr(tree, name).fill_(-7)
+                assert memoized.build_tree(logits, roots, 12, out=out) is out
+                second.log.wait_for("event=memory_registered")
+                assert_same_tree(out, expected)
+                assert prepared() is other_out
+                assert_same_tree(other_out, expected)
+                # As on the first server: the request is built and kept again, then reused.
+                for _ in range(2):
+                    assert memoized.build_tree(logits, roots, 12, out=out) is out
+                    assert prepared() is other_out
+                hits = memo.hits
+                assert memoized.build_tree(logits, roots, 12, out=out) is out
+                assert memo.hits == hits + 1
+                assert_same_tree(out, expected)
+            finally:
+                second.stop()
+    finally:
+        first.stop()
 
 
 def test_allocation_cache_follows_the_allocator_and_needs_no_context() -> None:
