@@ -14,7 +14,8 @@ transport, one run measures:
   which the client and the server recognise (request memo, decoded-call memo, CUDA graph);
 * the target's pair alone, interleaved call by call (floor, BuildTree batch 32 into static
   destinations, floor, ...), so that drift over the run hits both alike; and again with the
-  caller idle 10 ms before each call, as a decode loop calls once per step;
+  caller idle 10 ms before each call, as a decode loop calls once per step; both again with
+  the build prepared once (``Client.prepare_build_tree``) instead of the ``out=`` call;
 * the same with 16 concurrent callers (threads, one client each) for calls per second;
 * the kernels alone, in this process, called as the server calls them (with ``error_flags``, so
   the op never synchronises): device time (the op's launches captured in a CUDA graph and
@@ -532,8 +533,11 @@ def _target(results: dict[str, Any]) -> dict[str, Any]:
         "goal": 1.3,
         "goal_allows_above_floor_ms": round(0.3 * floor_ms, 4),
     }
-    # Fresh destinations per call, and static ones (``out=``, the inference-server case).
-    for label in ("build_tree_b32_ref", "build_tree_b32_ref_out"):
+    # Fresh destinations per call, and static ones (``out=``, the inference-server case, and
+    # the call prepared for them).
+    for label in ("build_tree_b32_ref", "build_tree_b32_ref_out", "build_tree_b32_ref_prepared"):
+        if label not in unix:
+            continue
         ref_ms = unix[label]["p50_ms"]
         target[label] = {
             "p50_ms": ref_ms,
@@ -543,15 +547,20 @@ def _target(results: dict[str, Any]) -> dict[str, Any]:
         }
     # The static-destination call against the floor measured beside it, call by call (hot, and
     # with the caller idle before each call).
-    for label in ("interleaved", "interleaved_after_10ms_idle"):
+    for label, build in (
+        ("interleaved", "build_tree_b32_ref_out"),
+        ("interleaved_after_10ms_idle", "build_tree_b32_ref_out"),
+        ("interleaved_prepared", "build_tree_b32_ref_prepared"),
+        ("interleaved_prepared_after_10ms_idle", "build_tree_b32_ref_prepared"),
+    ):
         pair = unix.get(label)
         if pair is None:
             continue
         pair_floor_ms = pair["echo"]["p50_ms"] + kernel_ms
-        ref_ms = pair["build_tree_b32_ref_out"]["p50_ms"]
+        ref_ms = pair[build]["p50_ms"]
         target[label] = {
             "echo_p50_ms": pair["echo"]["p50_ms"],
-            "build_tree_b32_ref_out_p50_ms": ref_ms,
+            f"{build}_p50_ms": ref_ms,
             "ratio": round(ref_ms / pair_floor_ms, 3),
             "above_floor_ms": round(ref_ms - pair_floor_ms, 4),
         }
@@ -945,16 +954,27 @@ def _bench_transport(
             return ipc.build_tree(batch32["logits"], batch32["roots"], BUDGET, out=tree)
 
         out["build_tree_b32_ref_out"] = _serial(build_out, n(300))
+        # The same call prepared once, as a decode loop with static buffers can make it (older
+        # builds of the client have no prepared calls).
+        builds: list[tuple[str, Callable[[], object]]] = [("", build_out)]
+        if hasattr(ipc, "prepare_build_tree"):
+            prepared = ipc.prepare_build_tree(batch32["logits"], batch32["roots"], BUDGET, out=tree)
+            out["build_tree_b32_ref_prepared"] = _serial(prepared, n(300))
+            builds.append(("_prepared", prepared))
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.TreeSpeculationServiceStub(channel)
             request = pb.GetServerInfoRequest()
-            pair = {
-                "echo": lambda: stub.GetServerInfo(request, timeout=10),
-                "build_tree_b32_ref_out": build_out,
-            }
-            out["interleaved"] = _interleaved(pair, n(1500))
-            # As a decode loop calls: once per step, the caller busy elsewhere in between.
-            out["interleaved_after_10ms_idle"] = _interleaved(pair, n(500), idle_s=0.01)
+
+            def echo() -> object:
+                return stub.GetServerInfo(request, timeout=10)
+
+            for suffix, build in builds:
+                pair = {"echo": echo, f"build_tree_b32_ref{suffix or '_out'}": build}
+                out[f"interleaved{suffix}"] = _interleaved(pair, n(1500))
+                # As a decode loop calls: once per step, the caller busy elsewhere in between.
+                out[f"interleaved{suffix}_after_10ms_idle"] = _interleaved(
+                    pair, n(500), idle_s=0.01
+                )
         targets = tree.tokens.clamp(min=0)
         out["accept_tree_b32_ref"] = _serial(lambda: ipc.accept_tree(tree, targets), n(300))
         acceptance = ipc.accept_tree(tree, targets)
