@@ -222,11 +222,14 @@ class EngineInfo:
     """GPU doorbell channels open at once; ``0``: this engine offers none."""
 
 
-class _ThreadOwnership(threading.local):
-    """Per thread: whether an engine's device and stream are current on it for good
-    (``Engine.own_thread``)."""
+class _ThreadOwner(threading.local):
+    """Per thread: the engine whose device and stream are current on it for good
+    (``Engine.own_thread``; the last engine to call it on the thread), if any."""
 
-    owned = False
+    engine: Engine | None = None
+
+
+_THREAD_OWNER = _ThreadOwner()
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +348,6 @@ class Engine:
         )
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._device_lock = threading.Lock()  # held while an op runs, on whichever thread
-        self._thread = _ThreadOwnership()
         self._flags: tuple[torch.Tensor, torch.Tensor | None] | None = None
         """``[2, size]`` int32 on the device and its pinned host copy, reused: ``error_flags``
         (row 0) and the tree sizes of a replayed build (row 1); see ``_flag_buffers``."""
@@ -742,7 +744,7 @@ class Engine:
         ):
             future: Future[_T] = Future()
             try:
-                if self._thread.owned:
+                if _THREAD_OWNER.engine is self:
                     result = self._run_checked(deadline_s, work, leases, wait_event)
                 else:
                     result = self._on_stream(
@@ -823,11 +825,13 @@ class Engine:
         and back (four torch calls, 7 us per op on the H200 host when hot, about 29 us after
         a millisecond of idle). For a thread that queues no other CUDA work without naming
         its stream: the server's event loop, and the device worker (which every engine owns).
+        A thread has one owner: another engine that takes it over makes this one switch and
+        restore streams there again.
         """
         if self._stream is not None:
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self._stream)
-        self._thread.owned = True
+        _THREAD_OWNER.engine = self
 
     def _on_stream(self, work: Callable[[], _T]) -> _T:
         """``work()`` on this thread with this engine's stream (and with it its device) current,
