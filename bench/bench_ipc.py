@@ -221,6 +221,11 @@ def _serial(call: Callable[[], object], iters: int, warmup: int = 3) -> dict[str
     return _stats(latencies)
 
 
+_TARGET_BUILDS = (("", "build_tree_b32_ref_out"), ("_prepared", "build_tree_b32_ref_prepared"))
+"""The builds measured interleaved with the floor: the suffix of their pair's labels
+(``interleaved<suffix>``, ``interleaved<suffix>_after_10ms_idle``) and the build's label."""
+
+
 def _interleaved(
     calls: dict[str, Callable[[], object]], iters: int, idle_s: float = 0.0
 ) -> dict[str, Any]:
@@ -547,23 +552,19 @@ def _target(results: dict[str, Any]) -> dict[str, Any]:
         }
     # The static-destination call against the floor measured beside it, call by call (hot, and
     # with the caller idle before each call).
-    for label, build in (
-        ("interleaved", "build_tree_b32_ref_out"),
-        ("interleaved_after_10ms_idle", "build_tree_b32_ref_out"),
-        ("interleaved_prepared", "build_tree_b32_ref_prepared"),
-        ("interleaved_prepared_after_10ms_idle", "build_tree_b32_ref_prepared"),
-    ):
-        pair = unix.get(label)
-        if pair is None:
-            continue
-        pair_floor_ms = pair["echo"]["p50_ms"] + kernel_ms
-        ref_ms = pair[build]["p50_ms"]
-        target[label] = {
-            "echo_p50_ms": pair["echo"]["p50_ms"],
-            f"{build}_p50_ms": ref_ms,
-            "ratio": round(ref_ms / pair_floor_ms, 3),
-            "above_floor_ms": round(ref_ms - pair_floor_ms, 4),
-        }
+    for suffix, build in _TARGET_BUILDS:
+        for label in (f"interleaved{suffix}", f"interleaved{suffix}_after_10ms_idle"):
+            pair = unix.get(label)
+            if pair is None:
+                continue
+            pair_floor_ms = pair["echo"]["p50_ms"] + kernel_ms
+            ref_ms = pair[build]["p50_ms"]
+            target[label] = {
+                "echo_p50_ms": pair["echo"]["p50_ms"],
+                f"{build}_p50_ms": ref_ms,
+                "ratio": round(ref_ms / pair_floor_ms, 3),
+                "above_floor_ms": round(ref_ms - pair_floor_ms, 4),
+            }
     return target
 
 
@@ -956,11 +957,11 @@ def _bench_transport(
         out["build_tree_b32_ref_out"] = _serial(build_out, n(300))
         # The same call prepared once, as a decode loop with static buffers can make it (older
         # builds of the client have no prepared calls).
-        builds: list[tuple[str, Callable[[], object]]] = [("", build_out)]
+        builds: dict[str, Callable[[], object]] = {"build_tree_b32_ref_out": build_out}
         if hasattr(ipc, "prepare_build_tree"):
             prepared = ipc.prepare_build_tree(batch32["logits"], batch32["roots"], BUDGET, out=tree)
             out["build_tree_b32_ref_prepared"] = _serial(prepared, n(300))
-            builds.append(("_prepared", prepared))
+            builds["build_tree_b32_ref_prepared"] = prepared
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.TreeSpeculationServiceStub(channel)
             request = pb.GetServerInfoRequest()
@@ -968,8 +969,10 @@ def _bench_transport(
             def echo() -> object:
                 return stub.GetServerInfo(request, timeout=10)
 
-            for suffix, build in builds:
-                pair = {"echo": echo, f"build_tree_b32_ref{suffix or '_out'}": build}
+            for suffix, label in _TARGET_BUILDS:
+                if label not in builds:
+                    continue
+                pair = {"echo": echo, label: builds[label]}
                 out[f"interleaved{suffix}"] = _interleaved(pair, n(1500))
                 # As a decode loop calls: once per step, the caller busy elsewhere in between.
                 out[f"interleaved{suffix}_after_10ms_idle"] = _interleaved(
