@@ -734,6 +734,7 @@ class Engine:
         write of caller memory is complete before the future resolves; the leases are released
         when the future is done (also when it is cancelled before running).
         """
+        touches_caller_memory = bool(leases) or bool(wait_event[0])
         # A call that waits on the caller's IPC event never runs inline: the caller's stream,
         # not this engine's work, decides how long that wait blocks the calling thread.
         if (
@@ -745,10 +746,12 @@ class Engine:
             future: Future[_T] = Future()
             try:
                 if _THREAD_OWNER.engine is self:
-                    result = self._run_checked(deadline_s, work, leases, wait_event)
+                    result = self._run_checked(deadline_s, work, touches_caller_memory, wait_event)
                 else:
                     result = self._on_stream(
-                        lambda: self._run_checked(deadline_s, work, leases, wait_event)
+                        lambda: self._run_checked(
+                            deadline_s, work, touches_caller_memory, wait_event
+                        )
                     )
             except BaseException as err:  # delivered through the future, as from the worker
                 future.set_exception(err)
@@ -759,7 +762,9 @@ class Engine:
                 _release(leases)
             return future
         try:
-            future = self._worker.submit(self._run_locked, deadline_s, work, leases, wait_event)
+            future = self._worker.submit(
+                self._run_locked, deadline_s, work, touches_caller_memory, wait_event
+            )
         except RuntimeError as err:  # the executor was shut down between check and submit
             raise ShuttingDown("engine: shutting down, send the call to another replica") from err
         if leases is not None:
@@ -770,18 +775,18 @@ class Engine:
         self,
         deadline_s: float | None,
         work: Callable[[], _T],
-        leases: Leases | None,
+        touches_caller_memory: bool,
         wait_event: tuple[bytes, str],
     ) -> _T:
         # On the device worker.
         with self._device_lock:
-            return self._run_checked(deadline_s, work, leases, wait_event)
+            return self._run_checked(deadline_s, work, touches_caller_memory, wait_event)
 
     def _run_checked(
         self,
         deadline_s: float | None,
         work: Callable[[], _T],
-        leases: Leases | None,
+        touches_caller_memory: bool,
         wait_event: tuple[bytes, str],
     ) -> _T:
         """``work()`` under the device lock, on this engine's stream: the deadline and engine
@@ -791,7 +796,7 @@ class Engine:
         if self._poisoned_by is not None:
             raise ShuttingDown("engine: the device failed earlier, the server is restarting")
         try:
-            return self._run_on_stream(work, bool(leases), wait_event)
+            return self._run_on_stream(work, touches_caller_memory, wait_event)
         except torch.OutOfMemoryError as err:
             raise OutOfMemory(f"device {self.device} is out of memory: {err}") from err
         except torch.AcceleratorError as err:
@@ -803,8 +808,10 @@ class Engine:
             ) from err
 
     def _run_on_stream(
-        self, work: Callable[[], _T], has_leases: bool, wait_event: tuple[bytes, str]
+        self, work: Callable[[], _T], touches_caller_memory: bool, wait_event: tuple[bytes, str]
     ) -> _T:
+        """``work()`` after the stream's wait on the caller's IPC event (if any); a call that
+        touches caller memory (registered regions or an event) ends with its stream idle."""
         handle, field = wait_event
         if handle and self._events is not None and self._stream is not None:
             self._events.wait(handle, self._stream.cuda_stream, field)
@@ -815,7 +822,7 @@ class Engine:
             # Also on errors: no launched read or write of caller memory may outlive the
             # call (its leases end with it). An op that ended with its verdict's
             # synchronisation and queued nothing after it says so (``_settled``).
-            if (has_leases or handle) and self._stream is not None and not self._settled:
+            if touches_caller_memory and self._stream is not None and not self._settled:
                 self._stream.synchronize()
 
     def own_thread(self) -> None:
