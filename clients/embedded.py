@@ -21,7 +21,7 @@ from ddtree.clients.types import DeviceInfo, KvCommit, ServerInfo, ServerLimits
 from ddtree.kernels.types import ACCEPTANCE_FIELDS, TREE_FIELDS, Acceptance, Tree
 
 if TYPE_CHECKING:
-    from ddtree.service.engine import Engine
+    from ddtree.service.engine import Engine, Outcome
 
 __all__ = ["EmbeddedClient"]
 
@@ -80,7 +80,7 @@ class EmbeddedClient:
 
     def _run(
         self,
-        submit: Callable[[_C], concurrent.futures.Future[_T]],
+        submit: Callable[[_C], Outcome[_T]],
         make_call: Callable[[float], _C],
         timeout_s: float | None,
     ) -> _T:

@@ -82,24 +82,22 @@ class DecodedCalls:
         if not raw or len(raw) > _MAX_REQUEST_BYTES:
             return decode(request, resolver, deadline_s=deadline_s)
         key = (resolver.owner, type(request), raw)
-        with self._lock:
-            kept = self._calls.get(key)
-            if kept is not None:
-                self._calls.move_to_end(key)
+        kept = self._calls.get(key)
         if kept is not None:
             assert memory is not None
             leases = memory.leases(resolver.owner)
             try:
-                for token in kept.leases_tokens:
-                    leases.hold("request", token)
+                leases.hold("request", kept.leases_tokens)
             except DDTreeError:
                 leases.release()
                 with self._lock:
                     self._calls.pop(key, None)
             else:
                 with self._lock:
+                    if key in self._calls:
+                        self._calls.move_to_end(key)
                     self.hits += 1
-                reused: _C = replace(kept.call, deadline_s=deadline_s, leases=leases)
+                reused: _C = _renewed(kept.call, deadline_s, leases)
                 return reused
         call: Any = decode(request, resolver, deadline_s=deadline_s)
         if call.leases:  # it references caller memory
@@ -111,6 +109,21 @@ class DecodedCalls:
                     self._calls.popitem(last=False)
         decoded: _C = call
         return decoded
+
+
+def _renewed(call: _C, deadline_s: float | None, leases: Leases) -> _C:
+    """``dataclasses.replace(call, deadline_s=deadline_s, leases=leases)``, without running the
+    dataclass's ``__init__`` again with every field (3 us of a 9 us reuse on the CPU machine).
+
+    The fields of a kept call were set by that ``__init__`` once; the copy shares them, like
+    ``replace`` would, and only its deadline and leases are its own.
+    """
+    copy: _C = object.__new__(type(call))
+    fields = vars(copy)
+    fields.update(vars(call))
+    fields["deadline_s"] = deadline_s
+    fields["leases"] = leases
+    return copy
 
 
 class _Kept:

@@ -559,25 +559,34 @@ class RegionTable:
 
     # ------------------------------------------------------------------ leases (via Leases)
 
-    def _acquire(self, token: str, field: str, owner: str) -> _Region:
+    def _acquire_all(self, tokens: Sequence[str], field: str, owner: str) -> Sequence[_Region]:
+        """Lease the region of every token, or none of them (one pass under the lock)."""
         self.sweep()
         with self._lock:
-            region = self._find(token, owner)
-            if region is None:
-                raise MemoryTokenNotFound(
-                    f"{field}.ref.region_token: unknown or expired region token; register the "
-                    "memory again",
-                    field=f"{field}.ref.region_token",
-                )
-            region.leases += 1
-            region.last_used_s = self._clock()
-            return region
+            regions = []
+            for token in tokens:
+                region = self._find(token, owner)
+                if region is None:
+                    raise MemoryTokenNotFound(
+                        f"{field}.ref.region_token: unknown or expired region token; register "
+                        "the memory again",
+                        field=f"{field}.ref.region_token",
+                    )
+                regions.append(region)
+            now = self._clock()
+            for region in regions:
+                region.leases += 1
+                region.last_used_s = now
+            return regions
 
-    def _release(self, region: _Region) -> None:
+    def _release(self, regions: Sequence[_Region]) -> None:
         with self._lock:
-            region.leases -= 1
-            close_now = region.leases == 0 and region.is_unregistered
-        if close_now:
+            closing = []
+            for region in regions:
+                region.leases -= 1
+                if region.leases == 0 and region.is_unregistered:
+                    closing.append(region)
+        for region in closing:
             self._close_region(region)
 
     def _bytes_view(self, region: _Region) -> torch.Tensor:
@@ -751,7 +760,7 @@ class Leases:
         """
         region = self._held.get(token)
         if region is None:
-            region = self._acquire(field, token)
+            region = self._acquire(field, (token,))[0]
         elif self._is_released:
             raise InvalidArgument(f"{field}: the call's leases were already released")
         key = (offset_bytes, dtype, tuple(shape))
@@ -774,27 +783,29 @@ class Leases:
         """Tokens of the regions this call holds, in the order they were first leased."""
         return tuple(self._held)
 
-    def hold(self, field: str, token: str) -> None:
-        """Lease the region of ``token`` for this call without resolving a reference (a call
-        decoded earlier whose views are reused); raises as ``resolve`` does."""
-        if token not in self._held:
-            self._acquire(field, token)
+    def hold(self, field: str, tokens: Sequence[str]) -> None:
+        """Lease the regions of ``tokens`` for this call without resolving references (a call
+        decoded earlier whose views are reused), all in one pass over the table; raises as
+        ``resolve`` does, and then holds none of them."""
+        self._acquire(field, [token for token in tokens if token not in self._held])
 
-    def _acquire(self, field: str, token: str) -> _Region:
-        region = self._table._acquire(token, field, self._owner)
+    def _acquire(self, field: str, tokens: Sequence[str]) -> Sequence[_Region]:
+        regions = self._table._acquire_all(tokens, field, self._owner)
         with self._lock:
             if self._is_released:
-                self._table._release(region)
+                self._table._release(regions)
                 raise InvalidArgument(f"{field}: the call's leases were already released")
-            self._regions.append(region)
-            self._held[token] = region
-        if region.device_uuid != self._table.device_uuid:
-            raise DeviceMismatch(
-                f"{field}.ref: the region is on {region.device_uuid}, the call runs on "
-                f"{self._table.device_uuid}",
-                field=f"{field}.ref",
-            )
-        return region
+            self._regions.extend(regions)
+            for token, region in zip(tokens, regions, strict=True):
+                self._held[token] = region
+        for region in regions:
+            if region.device_uuid != self._table.device_uuid:
+                raise DeviceMismatch(
+                    f"{field}.ref: the region is on {region.device_uuid}, the call runs on "
+                    f"{self._table.device_uuid}",
+                    field=f"{field}.ref",
+                )
+        return regions
 
     def release(self) -> None:
         """End every lease of the call; regions unregistered meanwhile close now."""
@@ -804,8 +815,8 @@ class Leases:
             self._is_released = True
             regions, self._regions = self._regions, []
             self._held = {}
-        for region in regions:
-            self._table._release(region)
+        if regions:
+            self._table._release(regions)
 
 
 class EventWaiter:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
 from typing import TypeVar, cast
 
 import grpc
@@ -24,7 +23,7 @@ from ddtree.service.call_memo import DecodedCalls
 from ddtree.service.calls import Prepared
 from ddtree.service.channel import open_channel_args
 from ddtree.service.config import ServiceConfig
-from ddtree.service.engine import Engine
+from ddtree.service.engine import Completed, Engine, Outcome
 from ddtree.service.errors import (
     DDTreeError,
     DeadlineExceeded,
@@ -111,7 +110,7 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         request: Message,
         context: grpc.aio.ServicerContext,
         decode: Callable[..., _C],
-        submit: Callable[..., Future[_T]],
+        submit: Callable[..., Outcome[_T]],
     ) -> tuple[_C, _T]:
         """One data call: ``decode(request, resolver, deadline_s=...)`` for the caller's
         identity, then ``submit(call, inline=...)`` on the engine, awaited within the call's
@@ -133,8 +132,10 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
             self._active -= 1
         return call, result
 
-    async def _await(self, future: Future[_T], budget_s: float) -> _T:
-        if future.done():  # ran inline
+    async def _await(self, future: Outcome[_T], budget_s: float) -> _T:
+        if isinstance(future, Completed):  # ran inline
+            return future.result()
+        if future.done():
             return future.result()
         # wait_for cancels the engine's future on timeout or when the RPC is cancelled, which
         # drops the work if it has not started yet.

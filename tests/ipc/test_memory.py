@@ -361,6 +361,32 @@ def test_a_call_takes_one_lease_per_region_and_keeps_it_across_unregister() -> N
     )
 
 
+def test_holding_several_regions_takes_all_of_them_or_none() -> None:
+    """``Leases.hold`` (a call decoded earlier, leased again) leases every region in one pass;
+    when one token is unknown it leases none, so the others close as soon as they are
+    unregistered."""
+    mapper, table, _, token, _ = registered()
+    other, _ = table.register(mapper.export(torch.zeros(1024, dtype=torch.uint8)), UUID, 1024, "c")
+    leases = table.leases()
+    leases.hold("request", (token, other))
+    assert leases.tokens == (token, other)
+    leases.hold("request", (other, token))  # already held: nothing more is leased
+    table.unregister(token)
+    assert mapper.mapped == 2
+    leases.release()
+    assert mapper.mapped == 1  # one release per region closes the unregistered one
+    refused = table.leases()
+    expect(
+        MemoryTokenNotFound,
+        "NOT_FOUND",
+        "MEMORY_TOKEN_NOT_FOUND",
+        lambda: refused.hold("request", (other, token)),
+    )
+    assert refused.tokens == ()
+    table.unregister(other)
+    assert mapper.mapped == 0  # the refused call left no lease on it
+
+
 def test_idle_regions_expire_but_leased_ones_do_not() -> None:
     mapper, table, _, token, clock = registered(idle_timeout_s=10.0)
     busy = mapper.export(torch.zeros(64, dtype=torch.uint8))

@@ -90,6 +90,9 @@ def test_the_same_bytes_reuse_the_decoded_call_with_fresh_leases(region: Region)
     assert second.draft_logits is first.draft_logits  # the same view of the caller's memory
     assert second.deadline_s == 12.5
     assert second.leases is not None and second.leases is not first.leases
+    # Every other field is the first call's, the shared ``Prepared`` included.
+    assert second == replace(first, leases=second.leases)
+    assert second.prepared is not None and second.prepared is first.prepared
     assert second.leases.tokens == (token,)
     other: BuildTreeCall = decode(memo, request(token, budget=5), resolver)  # other bytes
     assert memo.hits == 1

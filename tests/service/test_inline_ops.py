@@ -26,7 +26,7 @@ from ddtree.clients import Client
 from ddtree.service.calls import AcceptTreeCall, BuildTreeCall
 from ddtree.service.config import ServiceConfig
 from ddtree.service.convert import TORCH_TO_DTYPE
-from ddtree.service.engine import Engine
+from ddtree.service.engine import Completed, Engine
 from ddtree.service.errors import DeadlineExceeded, InvalidToken
 from ddtree.v1 import tensor_pb2, tree_pb2
 from ddtree.v1 import tree_speculation_service_pb2 as pb
@@ -67,7 +67,7 @@ def test_inline_call_runs_on_the_calling_thread_with_the_worker_result(
     engine: Engine, recorder: Gate, step: Step
 ) -> None:
     inline = engine.build_tree(build_call(step), inline=True)
-    assert inline.done()
+    assert isinstance(inline, Completed) and inline.done() and inline.exception() is None
     queued = engine.build_tree(build_call(step)).result(timeout=30)
     for name in TREE_NAMES:
         assert torch.equal(getattr(inline.result(), name), getattr(queued, name)), name
@@ -101,7 +101,8 @@ def test_inline_errors_come_through_the_future(engine: Engine, step: Step) -> No
     roots = step.root_tokens.clone()
     roots[1] = step.draft_logits.shape[2]  # out of [0, vocab_size)
     future = engine.build_tree(build_call(step, root_tokens=roots), inline=True)
-    assert future.done()
+    assert isinstance(future, Completed) and future.done() and not future.cancel()
+    assert isinstance(future.exception(), InvalidToken)
     with pytest.raises(InvalidToken, match=r"build_tree\.root_tokens\[1\]"):
         future.result()
 
