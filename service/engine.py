@@ -284,6 +284,7 @@ class _FlagViews:
     host_sizes: torch.Tensor | None  # [batch_size] int32, pinned host (CUDA only)
     rows: torch.Tensor  # [2, size] int32, device: both rows whole
     host_rows: torch.Tensor | None  # [2, size] int32, pinned host (CUDA only)
+    pointers: tuple[int, int]  # addresses of ``flags`` and ``sizes``, for replay keys
 
 
 def _layout(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
@@ -1049,6 +1050,7 @@ class Engine:
             host_sizes=None if host is None else host[1, :batch_size],
             rows=rows,
             host_rows=host,
+            pointers=(rows[0, :batch_size].data_ptr(), rows[1, :batch_size].data_ptr()),
         )
         self._flag_views[batch_size] = views
         return views
@@ -1094,6 +1096,11 @@ class Engine:
         return tensor.to(device, non_blocking=device.type == "cpu" and tensor.is_cuda)
 
     def _build_tree(self, call: BuildTreeCall) -> Tree:
+        prepared = call.prepared
+        if prepared is not None and prepared.launch_key is not None:
+            # A copy of a call replayed before: the same views of caller memory (on this
+            # device, contiguous: moved by nothing) and the same scalars.
+            return self._replay_build(call, prepared.launch_key)
         logits = self._to_device(call.draft_logits)
         roots = self._to_device(call.root_tokens)
         budget = call.budget
@@ -1103,25 +1110,12 @@ class Engine:
                 max_budget = int(budget.max())
             budget = self._to_device(budget)
         out = call.out
-        batch_size = logits.shape[0]
+        if out is None or self._graphs is None or not isinstance(budget, int):
 
-        def launch(flags: torch.Tensor) -> Tree:
-            # Into caller memory (``out``) the kernels write all or nothing: a flagged request
-            # anywhere in the batch leaves every destination untouched.
-            return kernels.build_tree(
-                logits,
-                roots,
-                budget,
-                temperature=call.temperature,
-                max_budget=max_budget,
-                error_flags=flags,
-                out=out,
-                backend=self.backend,
-            )
+            def launch(flags: torch.Tensor) -> Tree:
+                return self._launch_build(call, flags, logits, roots, budget, max_budget)
 
-        graphs = self._graphs
-        if out is None or graphs is None or not isinstance(budget, int):
-            tree, flags = self._launch_op("build_tree", launch, batch_size)
+            tree, flags = self._launch_op("build_tree", launch, logits.shape[0])
             result = tree if out is not None else self._tree_result(tree, call.result_device)
             self._check_flags("build_tree", flags)
             self._observer.observe_trees(tree.num_nodes, model=call.model)
@@ -1130,40 +1124,73 @@ class Engine:
         # launches (``LaunchGraphs``); the key names every argument of the kernels.
         # A key naming only the call's own tensors is the same for every reuse of the call;
         # one naming a device copy made for this call (an inline tensor) is not.
-        prepared = None
-        if logits is call.draft_logits and roots is call.root_tokens:
-            prepared = call.prepared
-        launch_key = None if prepared is None else prepared.launch_key
-        if launch_key is None:
-            tensors = (logits, roots, *(getattr(out, n) for n in TREE_FIELDS))
-            launch_key = LaunchKey(
-                "build_tree",
-                *(_layout(t) for t in tensors),
-                budget,
-                max_budget,
-                call.temperature,
-            )
-            if prepared is not None:
-                prepared.launch_key = launch_key
-        views = self._flag_rows(batch_size)
-        key = (launch_key, views.flags.data_ptr(), views.sizes.data_ptr())
+        tensors = (logits, roots, *(getattr(out, n) for n in TREE_FIELDS))
+        launch_key = LaunchKey(
+            "build_tree", *(_layout(t) for t in tensors), budget, max_budget, call.temperature
+        )
+        if prepared is not None and logits is call.draft_logits and roots is call.root_tokens:
+            prepared.launch_key = launch_key
+        return self._replay_build(replace(call, draft_logits=logits, root_tokens=roots), launch_key)
 
-        def launch_and_stage(flags: torch.Tensor) -> Tree:
-            # The tree sizes go next to the flags (captured with the launch, replayed with it),
-            # so one copy brings both back.
-            tree = launch(flags)
+    def _launch_build(
+        self,
+        call: BuildTreeCall,
+        flags: torch.Tensor,
+        logits: torch.Tensor,
+        roots: torch.Tensor,
+        budget: int | torch.Tensor,
+        max_budget: int | None,
+    ) -> Tree:
+        """``kernels.build_tree`` of ``call`` with its tensors on the device.
+
+        Into caller memory (``call.out``) the kernels write all or nothing: a flagged request
+        anywhere in the batch leaves every destination untouched.
+        """
+        return kernels.build_tree(
+            logits,
+            roots,
+            budget,
+            temperature=call.temperature,
+            max_budget=max_budget,
+            error_flags=flags,
+            out=call.out,
+            backend=self.backend,
+        )
+
+    def _replay_build(self, call: BuildTreeCall, launch_key: LaunchKey) -> Tree:
+        """A build into caller memory (``call.out``, one int ``budget``; tensors on the device)
+        launched through ``LaunchGraphs`` under ``launch_key``: captured the second time its
+        key is seen, replayed from then on.
+
+        The launch also copies the tree sizes next to the error flags and brings both rows back
+        to the host (captured with it, replayed with it): the verdict then needs no launch or
+        copy of its own, and it is the call's last device work (``_settled``).
+        """
+        graphs = self._graphs
+        assert graphs is not None  # CUDA
+        logits = call.draft_logits
+        views = self._flag_rows(logits.shape[0])
+        host_rows, host_flags, host_sizes = views.host_rows, views.host_flags, views.host_sizes
+        assert host_rows is not None and host_flags is not None and host_sizes is not None
+        key = (launch_key, views.pointers)
+
+        def launch_and_stage() -> Tree:
+            # ``views.flags`` is the op's ``error_flags`` (``_launch_op`` hands out the same
+            # view), whose address the key names.
+            tree = self._launch_build(
+                call, views.flags, logits, call.root_tokens, call.budget, call.max_budget
+            )
             views.sizes.copy_(tree.num_nodes)
+            host_rows.copy_(views.rows, non_blocking=True)
             return tree
 
+        tree: Tree
         tree, _ = self._launch_op(
             "build_tree",
-            lambda f: graphs.run(key, lambda: launch_and_stage(f)),
-            batch_size,
+            lambda _: graphs.run(key, launch_and_stage),
+            logits.shape[0],
             copy_flags=False,
         )
-        host_rows, host_flags, host_sizes = views.host_rows, views.host_flags, views.host_sizes
-        assert host_rows is not None and host_flags is not None and host_sizes is not None  # CUDA
-        host_rows.copy_(views.rows, non_blocking=True)
         self._check_flags("build_tree", host_flags)
         self._observer.observe_trees(host_sizes, model=call.model)  # host data: nothing queued
         self._settled = True
