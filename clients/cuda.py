@@ -761,10 +761,10 @@ class ClientIpc:
             return b""
         handle = b""
         for index in refs.device_indices:
-            stream = torch.cuda.current_stream(index)
             if not self.use_ipc_events:
-                stream.synchronize()
+                _synchronize_current_stream(index)
                 continue
+            stream = torch.cuda.current_stream(index)
             event = self._events.get(index)
             if event is None:
                 with torch.cuda.device(index):
@@ -775,6 +775,24 @@ class ClientIpc:
                 self._event_handles[index] = bytes(event.ipc_handle())
             handle = self._event_handles[index]
         return handle
+
+
+def _synchronize_current_stream(index: int) -> None:
+    """Wait for the work queued so far on the current stream of CUDA device ``index``.
+
+    ``torch.cuda.current_stream(index).synchronize()`` makes a ``Stream`` object first: on the
+    H200 host, after a millisecond of idle, it took 39 us against 23 us for the stream's raw
+    handle and one driver call (12 against 7 us hot). The driver call is made only with device
+    ``index`` current (the handle of the default stream names the current context's); where it
+    fails (no context current on this thread yet, or a device error) torch's way takes over,
+    and raises what it raises.
+    """
+    if torch.cuda.current_device() == index:
+        driver = require_cuda_python()
+        (err,) = driver.cuStreamSynchronize(torch._C._cuda_getCurrentRawStream(index))
+        if err == driver.CUresult.CUDA_SUCCESS:
+            return
+    torch.cuda.current_stream(index).synchronize()
 
 
 @functools.cache

@@ -8,6 +8,7 @@ the memo, and the server must write the new allocation.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ BATCH_SIZE = 3
 DRAFT_LEN = 5
 BUDGET = 24
 SEGMENT_BYTES = 32 << 20  # torch gives requests of 10 MiB and more a cudaMalloc of their own
+SLEEP_CYCLES = 200_000_000  # about 0.1 s of one SM at H200 clocks
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +140,49 @@ def test_a_prepared_build_resends_its_request_with_the_current_contents(
             if seed == 5:  # registered (4), then built and kept (5)
                 hits = memo.hits
         assert memo.hits == hits
+
+
+@pytest.mark.parametrize("where", ["side-stream", "default-stream", "new-thread"])
+def test_a_prepared_build_waits_for_the_callers_pending_writes(
+    server: ServerProcess, where: str
+) -> None:
+    """The inputs are ordered before the server reads them: the caller's current stream, busy
+    for a while, then writing new logits, is synchronised before the request goes. On another
+    stream than the default, on the default one, and from a thread that made no CUDA call
+    before (the default stream is the whole process's: the writes queued on it by the main
+    thread are waited for)."""
+    logits, roots = inputs(seed=11)
+    out = tree_in(torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    new_logits, _ = inputs(seed=12)
+    with (
+        Client(server.address, tensor_transport="ipc") as ipc,
+        Client(server.address) as inline,
+    ):
+        expected = inline.build_tree(new_logits, roots, BUDGET)
+        prepared = ipc.prepare_build_tree(logits, roots, BUDGET, out=out)
+        for _ in range(3):  # registered, built and kept, then resent as prepared
+            prepared()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream() if where == "side-stream" else torch.cuda.default_stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the current stream stays busy for a while
+            logits.copy_(new_logits)  # queued behind it
+            if where != "new-thread":
+                prepared()
+        if where == "new-thread":
+            errors: list[BaseException] = []
+
+            def run() -> None:
+                try:
+                    prepared()
+                except BaseException as err:  # reported on the test's thread
+                    errors.append(err)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join(timeout=120)
+            assert not thread.is_alive() and not errors, errors
+        assert_same(out, expected, TREE_NAMES)
 
 
 def test_a_prepared_build_follows_tensors_given_new_memory(server: ServerProcess) -> None:
