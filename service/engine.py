@@ -22,6 +22,7 @@ when the same buffers come back, replayed from a CUDA graph (``ddtree.service.re
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import platform
 import secrets
@@ -151,6 +152,11 @@ class EngineObserver(Protocol):
         current stream); called on the thread that runs the op."""
         ...
 
+    def observe_device_time(self, op: str, device: torch.device, seconds: float) -> None:
+        """The device time of an op that timed itself (a replayed build: its CUDA graph
+        records its own timing events), instead of ``time_op``."""
+        ...
+
     def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
         """Trees built by one call: ``Tree.num_nodes``, shape ``(batch_size,)`` int32."""
         ...
@@ -168,9 +174,9 @@ class EngineObserver(Protocol):
 
 
 _NO_TIMER: AbstractContextManager[None] = contextlib.nullcontext()
+"""The ``with`` block of an op that is not timed (stateless, so one serves every op)."""
 _NO_EVENT = (b"", "")
 """The ``wait_event`` of a call without a caller IPC event: ``(handle, field)``."""
-"""The ``with`` block of an op that is not timed (stateless, so one serves every op)."""
 
 
 class _NullObserver:
@@ -180,6 +186,9 @@ class _NullObserver:
         self, op: str, device: torch.device, stream: torch.cuda.Stream | None = None
     ) -> AbstractContextManager[None]:
         return _NO_TIMER
+
+    def observe_device_time(self, op: str, device: torch.device, seconds: float) -> None:
+        return None
 
     def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
         return None
@@ -264,11 +273,42 @@ Outcome = Union[Future[_T], Completed[_T]]  # noqa: UP007 (a generic alias, subs
 """What a data op returns: a ``Future`` from the device worker, or ``Completed`` inline."""
 
 
+def _supports_graph_timing() -> bool:
+    """Whether ``torch.cuda.Event`` can record inside a CUDA graph capture (``external``, in
+    recent torch releases); without it a replayed build is timed around its launch."""
+    return "external" in inspect.signature(torch.cuda.Event.__new__).parameters
+
+
+_GRAPHS_TIME_THEMSELVES = _supports_graph_timing()
+
+
+def _graph_timing_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """A start and an end timing event that a CUDA graph capture records as its own nodes."""
+    return (
+        torch.cuda.Event(enable_timing=True, external=True),
+        torch.cuda.Event(enable_timing=True, external=True),
+    )
+
+
 class _ThreadOwner(threading.local):
     """Per thread: the engine whose device and stream are current on it for good
-    (``Engine.own_thread``; the last engine to call it on the thread), if any."""
+    (``Engine.own_thread``; the last engine to call it on the thread), if any, and how the
+    thread runs work soon (``defer``: the server's event loop's ``call_soon``), if it can."""
 
     engine: Engine | None = None
+    defer: Callable[[Callable[[], None]], object] | None = None
+
+
+@dataclass(slots=True)
+class _Unobserved:
+    """What a replayed build leaves for its observer (``Engine._observe``): its graph's timing
+    events and the tree sizes in the pinned verdict buffer, both valid until the engine's next
+    op (which replays the graph again or copies new sizes there)."""
+
+    op: str
+    timing: tuple[torch.cuda.Event, torch.cuda.Event]  # start, end; both done
+    model: str
+    sizes: torch.Tensor | None = None  # [batch_size] int32, pinned host; None: flagged call
 
 
 _THREAD_OWNER = _ThreadOwner()
@@ -400,6 +440,9 @@ class Engine:
         self._settled = False
         """Set by an op whose verdict's stream synchronisation was its last device work: the
         call's closing synchronisation (``_run_on_stream``) is then skipped."""
+        self._unobserved: _Unobserved | None = None
+        """What the last op, a replayed build, left for the observer: handed over before the
+        next op starts at the latest (``_observe``; after the reply on the server's loop)."""
         self._graphs: LaunchGraphs[Any] | None = (
             LaunchGraphs() if self._stream is not None else None
         )
@@ -495,6 +538,8 @@ class Engine:
         # Under the device lock like every op (they share the flag buffers); warming up again
         # while serving only queues the inline calls behind it.
         with self._device_lock:
+            if self._unobserved is not None:
+                self._observe()
             self._warm_up_ops()
 
     def _warm_up_ops(self) -> None:
@@ -545,6 +590,7 @@ class Engine:
         if self.channels is not None:
             self.channels.close_all()
         self._worker.shutdown(wait=True, cancel_futures=False)
+        self.observe_pending()
         if self._stream is not None:
             try:
                 self._stream.synchronize()
@@ -784,6 +830,7 @@ class Engine:
     ) -> Completed[_T]:
         """``work`` on this thread, the device lock already taken (released here, with the
         leases); its result or error comes back as a ``Completed``."""
+        outcome: Completed[_T]
         try:
             if _THREAD_OWNER.engine is self:
                 result = self._run_checked(deadline_s, work, touches_caller_memory, _NO_EVENT)
@@ -792,11 +839,19 @@ class Engine:
                     lambda: self._run_checked(deadline_s, work, touches_caller_memory, _NO_EVENT)
                 )
         except BaseException as err:  # delivered like the worker's: through the outcome
-            return Completed(error=err)
+            outcome = Completed(error=err)
+        else:
+            outcome = Completed(result)
         finally:
             self._device_lock.release()
             _release(leases)
-        return Completed(result)
+        if self._unobserved is not None:
+            owner = _THREAD_OWNER
+            if owner.engine is self and owner.defer is not None:
+                owner.defer(self.observe_pending)  # after the reply (see ``own_thread``)
+            else:
+                self.observe_pending()
+        return outcome
 
     def _submit(
         self,
@@ -834,7 +889,11 @@ class Engine:
     ) -> _T:
         # On the device worker.
         with self._device_lock:
-            return self._run_checked(deadline_s, work, touches_caller_memory, wait_event)
+            try:
+                return self._run_checked(deadline_s, work, touches_caller_memory, wait_event)
+            finally:
+                if self._unobserved is not None:
+                    self._observe()
 
     def _run_checked(
         self,
@@ -844,7 +903,10 @@ class Engine:
         wait_event: tuple[bytes, str],
     ) -> _T:
         """``work()`` under the device lock, on this engine's stream: the deadline and engine
-        state checked first, device errors mapped (a device failure poisons the engine)."""
+        state checked first, device errors mapped (a device failure poisons the engine). The
+        observations the previous op left are handed over first."""
+        if self._unobserved is not None:
+            self._observe()
         if deadline_s is not None and time.monotonic() > deadline_s:
             raise DeadlineExceeded("deadline passed while the call waited for the device")
         if self._poisoned_by is not None:
@@ -879,7 +941,7 @@ class Engine:
             if touches_caller_memory and self._stream is not None and not self._settled:
                 self._stream.synchronize()
 
-    def own_thread(self) -> None:
+    def own_thread(self, defer: Callable[[Callable[[], None]], object] | None = None) -> None:
         """Make this engine's device and stream current on the calling thread for good.
 
         Inline ops (``inline=True``) on such a thread skip switching to the engine's stream
@@ -888,11 +950,43 @@ class Engine:
         its stream: the server's event loop, and the device worker (which every engine owns).
         A thread has one owner: another engine that takes it over makes this one switch and
         restore streams there again.
+
+        ``defer`` runs a function soon on this thread (the server passes its event loop's
+        ``call_soon``): an inline op's observations (a replayed build's device time and tree
+        sizes, ``observe_pending``) are then handed to the observer after the call's reply
+        has gone out, not before it.
         """
         if self._stream is not None:
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self._stream)
         _THREAD_OWNER.engine = self
+        _THREAD_OWNER.defer = defer
+
+    def observe_pending(self) -> None:
+        """Hand what the last op left for the observer (a replayed build's device time and
+        tree sizes) to it, if it is still waiting. A no-op while an op runs: every op does it
+        before it starts."""
+        if self._unobserved is None or not self._device_lock.acquire(blocking=False):
+            return
+        try:
+            if self._unobserved is not None:
+                self._observe()
+        finally:
+            self._device_lock.release()
+
+    def _observe(self) -> None:
+        # Under the device lock, before anything replays the graph or copies new tree sizes.
+        pending, self._unobserved = self._unobserved, None
+        assert pending is not None
+        start, end = pending.timing
+        try:
+            seconds = start.elapsed_time(end) / 1e3
+        except RuntimeError as err:  # the device failed since the op's verdict
+            _log.warning("event=op_time_unreadable device=%s error=%s", self.device, err)
+            return
+        self._observer.observe_device_time(pending.op, self.device, seconds)
+        if pending.sizes is not None:
+            self._observer.observe_trees(pending.sizes, model=pending.model)
 
     def _on_stream(self, work: Callable[[], _T]) -> _T:
         """``work()`` on this thread with this engine's stream (and with it its device) current,
@@ -1163,18 +1257,26 @@ class Engine:
         key is seen, replayed from then on.
 
         The launch also copies the tree sizes next to the error flags and brings both rows back
-        to the host (captured with it, replayed with it): the verdict then needs no launch or
-        copy of its own, and it is the call's last device work (``_settled``).
+        to the host, and records its own timing events around all of it (captured with it,
+        replayed with it): the verdict needs no launch or copy of its own and is the call's
+        last device work (``_settled``), and the observer's timing costs no event records
+        before the launch. The device time and the tree sizes are handed to the observer by
+        ``_observe``, at the latest before the next op (the graph's events and the pinned
+        sizes are this engine's until then).
         """
-        graphs = self._graphs
-        assert graphs is not None  # CUDA
+        graphs, stream = self._graphs, self._stream
+        assert graphs is not None and stream is not None  # CUDA
         logits = call.draft_logits
         views = self._flag_rows(logits.shape[0])
         host_rows, host_flags, host_sizes = views.host_rows, views.host_flags, views.host_sizes
         assert host_rows is not None and host_flags is not None and host_sizes is not None
         key = (launch_key, views.pointers)
+        timed = _GRAPHS_TIME_THEMSELVES
 
-        def launch_and_stage() -> Tree:
+        def launch_and_stage() -> tuple[Tree, tuple[torch.cuda.Event, torch.cuda.Event] | None]:
+            timing = _graph_timing_events() if timed else None
+            if timing is not None:
+                timing[0].record(stream)
             # ``views.flags`` is the op's ``error_flags`` (``_launch_op`` hands out the same
             # view), whose address the key names.
             tree = self._launch_build(
@@ -1182,17 +1284,26 @@ class Engine:
             )
             views.sizes.copy_(tree.num_nodes)
             host_rows.copy_(views.rows, non_blocking=True)
-            return tree
+            if timing is not None:
+                timing[1].record(stream)
+            return tree, timing
 
         tree: Tree
-        tree, _ = self._launch_op(
+        (tree, timing), _ = self._launch_op(
             "build_tree",
             lambda _: graphs.run(key, launch_and_stage),
             logits.shape[0],
+            observe=not timed,
             copy_flags=False,
         )
-        self._check_flags("build_tree", host_flags)
-        self._observer.observe_trees(host_sizes, model=call.model)  # host data: nothing queued
+        stream.synchronize()  # the verdict's: the rows are on the host, the events done
+        if timing is None:
+            self._raise_flagged("build_tree", host_flags.tolist())
+            self._observer.observe_trees(host_sizes, model=call.model)
+        else:
+            pending = self._unobserved = _Unobserved("build_tree", timing, call.model)
+            self._raise_flagged("build_tree", host_flags.tolist())
+            pending.sizes = host_sizes
         self._settled = True
         return tree
 

@@ -713,6 +713,21 @@ class Metrics:
         histogram = self._child(self.op_device_seconds, op, str(device))
         return _DeviceTimer(self, histogram, device, stream)
 
+    def observe_device_time(self, op: str, device: torch.device, seconds: float) -> None:
+        """Observe the device time of an op that timed itself (a replayed build: its CUDA graph
+        records its own timing events); the same series as ``time_op``.
+
+        Parameters
+        ----------
+        op : str
+            One of :data:`OPS` (label ``op``).
+        device : torch.device
+            Device the op ran on (label ``device``).
+        seconds : float
+            Its device time.
+        """
+        self._child(self.op_device_seconds, op, str(device)).observe(seconds)
+
     def _take_events(self, device_index: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """A start and an end timing event for ``device_index``, from the pool if it has one."""
         with self._lock:

@@ -9,7 +9,8 @@ never be used for a call whose buffers or arguments differ. GPU only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import replace
 
@@ -26,12 +27,14 @@ from helpers.generators import (
     random_tree,
     target_tokens_for,
 )
+from prometheus_client import CollectorRegistry
 
 from ddtree import kernels
 from ddtree.kernels.types import TREE_FIELDS, Tree
 from ddtree.service.calls import AcceptTreeCall, BuildTreeCall, KvCommitArgs, Prepared
 from ddtree.service.engine import Engine
 from ddtree.service.errors import InvalidToken
+from ddtree.service.metrics import Metrics
 from ddtree.service.replay import LaunchGraphs
 
 pytestmark = pytest.mark.gpu
@@ -87,6 +90,9 @@ class _TreeSizes:
     ) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
 
+    def observe_device_time(self, op: str, device: torch.device, seconds: float) -> None:
+        return None
+
     def observe_trees(self, num_nodes: torch.Tensor, *, model: str = "") -> None:
         self.reported.append(num_nodes.tolist())
 
@@ -125,6 +131,60 @@ def test_a_replayed_build_reports_its_own_tree_sizes() -> None:
             assert out.num_nodes.tolist() == [1 + depth for depth in depths]
             assert sizes.reported[-1] == [1 + depth for depth in depths]
         assert _graphs(engine).replays == 5
+
+
+def test_every_build_is_timed_once_and_a_deferring_thread_gets_it_after_the_op() -> None:
+    """Eager, captured or replayed, every build's device time and trees reach the metrics once
+    (a replayed graph records its own timing events). On a thread that defers work (the
+    server's event loop), a replayed build's observations wait for the deferred call, or for
+    the next op, which hands them over before it starts."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    errors: list[BaseException] = []
+
+    def samples() -> tuple[float | None, float | None, float | None]:
+        metrics.flush()
+        labels = {"op": "build_tree", "device": "cuda:0"}
+        return (
+            registry.get_sample_value("ddtree_op_device_seconds_count", labels),
+            registry.get_sample_value("ddtree_op_device_seconds_sum", labels),
+            registry.get_sample_value("ddtree_trees_built_total", {"model": ""}),
+        )
+
+    def run(engine: Engine) -> None:
+        try:
+            logits = torch.randn(BATCH, DRAFT_LEN, VOCAB, device="cuda")
+            roots = torch.zeros(BATCH, dtype=torch.int64, device="cuda")
+            out = poisoned_tree(BATCH, 1 + DRAFT_LEN, DRAFT_LEN, device="cuda")
+            call = BuildTreeCall(draft_logits=logits, root_tokens=roots, budget=DRAFT_LEN, out=out)
+            for _ in range(4):  # eager, captured, replayed twice; nothing deferred
+                engine.build_tree(call, inline=True).result(timeout=60)
+            count, seconds, trees = samples()
+            assert (count, trees) == (4, 4 * BATCH)
+            assert seconds is not None and 0 < seconds < 4
+            deferred: list[Callable[[], None]] = []
+            engine.own_thread(defer=deferred.append)
+            engine.build_tree(call, inline=True).result(timeout=60)
+            assert samples()[0] == 4 and len(deferred) == 1  # waits for the deferred call
+            deferred.pop()()
+            assert samples()[0] == 5 and samples()[2] == 5 * BATCH
+            engine.build_tree(call, inline=True).result(timeout=60)
+            engine.build_tree(call, inline=True).result(timeout=60)  # hands the last one over
+            assert samples()[0] == 6
+            for callback in deferred:  # the second call hands the last build over, the first
+                callback()  # finds nothing left
+            assert samples()[0] == 7 and samples()[2] == 7 * BATCH
+            assert _graphs(engine).replays == 6
+        except BaseException as err:  # reported on the test's thread
+            errors.append(err)
+
+    with Engine(device="cuda:0", observer=metrics) as engine:
+        engine.warm_up()
+        # On a thread of its own: ``own_thread`` leaves the engine's stream current there.
+        thread = threading.Thread(target=run, args=(engine,))
+        thread.start()
+        thread.join(timeout=120)
+    assert not thread.is_alive() and not errors, errors
 
 
 def test_a_reused_call_keeps_its_replay_key(engine: Engine) -> None:
