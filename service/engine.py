@@ -22,6 +22,7 @@ when the same buffers come back, replayed from a CUDA graph (``ddtree.service.re
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import platform
@@ -444,7 +445,7 @@ class Engine:
         """What the last op, a replayed build, left for the observer: handed over before the
         next op starts at the latest (``_observe``; after the reply on the server's loop)."""
         self._graphs: LaunchGraphs[Any] | None = (
-            LaunchGraphs() if self._stream is not None else None
+            LaunchGraphs(stream=self._stream.cuda_stream) if self._stream is not None else None
         )
         """Captured builds into caller memory, replayed for the same buffers (CUDA only)."""
         self.inline_ops = self.device.type == "cuda"
@@ -844,14 +845,24 @@ class Engine:
             outcome = Completed(result)
         finally:
             self._device_lock.release()
-            _release(leases)
-        if self._unobserved is not None:
-            owner = _THREAD_OWNER
-            if owner.engine is self and owner.defer is not None:
-                owner.defer(self.observe_pending)  # after the reply (see ``own_thread``)
-            else:
-                self.observe_pending()
+        owner = _THREAD_OWNER
+        if owner.engine is not self or owner.defer is None:
+            self._after_reply(leases)
+        elif leases is not None or self._unobserved is not None:
+            try:
+                owner.defer(functools.partial(self._after_reply, leases))
+            except RuntimeError:  # the loop is closing: no later turn will come
+                self._after_reply(leases)
         return outcome
+
+    def _after_reply(self, leases: Leases | None) -> None:
+        """An inline op's bookkeeping, which its result does not wait for: its leases end (its
+        device work is complete) and its observations are handed over (``observe_pending``).
+        Run by the owning thread's ``defer`` after the reply has gone (see ``own_thread``),
+        else at once."""
+        _release(leases)
+        if self._unobserved is not None:
+            self.observe_pending()
 
     def _submit(
         self,
@@ -952,9 +963,9 @@ class Engine:
         restore streams there again.
 
         ``defer`` runs a function soon on this thread (the server passes its event loop's
-        ``call_soon``): an inline op's observations (a replayed build's device time and tree
-        sizes, ``observe_pending``) are then handed to the observer after the call's reply
-        has gone out, not before it.
+        ``call_soon``): an inline op's bookkeeping (the end of its leases, a replayed build's
+        device time and tree sizes for the observer) then runs after the call's reply has gone
+        out, not before it. Its device work is complete either way.
         """
         if self._stream is not None:
             torch.cuda.set_device(self.device)

@@ -98,14 +98,23 @@ class LaunchGraphs(Generic[_T]):
         Graphs kept; each holds its launch's scratch memory.
     graph_factory : callable, optional
         Makes an empty graph; ``torch.cuda.CUDAGraph`` by default (tests pass a fake).
+    stream : int, optional
+        The raw handle of the stream every launch is queued on (the engine's, current during
+        every ``run``): a captured graph is then launched by one driver call where torch
+        exposes it (``_launcher``); ``None``: by the graph's ``replay``.
     """
 
     def __init__(
-        self, capacity: int = 8, *, graph_factory: Callable[[], Graph] = torch.cuda.CUDAGraph
+        self,
+        capacity: int = 8,
+        *,
+        graph_factory: Callable[[], Graph] = torch.cuda.CUDAGraph,
+        stream: int | None = None,
     ) -> None:
         self._capacity = capacity
         self._new_graph = graph_factory
-        self._graphs: collections.OrderedDict[Hashable, tuple[Graph, _T]] = (
+        self._stream = stream
+        self._graphs: collections.OrderedDict[Hashable, tuple[Graph, _T, Callable[[], None]]] = (
             collections.OrderedDict()
         )
         self._seen: collections.OrderedDict[Hashable, bool] = collections.OrderedDict()
@@ -136,7 +145,7 @@ class LaunchGraphs(Generic[_T]):
         entry = self._graphs.get(key)
         if entry is not None:
             self._graphs.move_to_end(key)
-            entry[0].replay()
+            entry[2]()
             self.replays += 1
             return entry[1]
         refused = self._seen.get(key)
@@ -161,11 +170,12 @@ class LaunchGraphs(Generic[_T]):
         except RuntimeError as err:
             return self._refuse(key, err, launch)
         del self._seen[key]
-        self._graphs[key] = (graph, result)
+        launch_graph = _launcher(graph, self._stream)
+        self._graphs[key] = (graph, result, launch_graph)
         if len(self._graphs) > self._capacity:
             self._graphs.popitem(last=False)
         _log.debug("event=launch_captured graphs=%d", len(self._graphs))
-        graph.replay()
+        launch_graph()
         self.replays += 1
         return result
 
@@ -179,6 +189,36 @@ class LaunchGraphs(Generic[_T]):
         """Drop every graph and its scratch memory."""
         self._graphs.clear()
         self._seen.clear()
+
+
+def _launcher(graph: Graph, stream: int | None) -> Callable[[], None]:
+    """``graph.replay`` on ``stream``, as one driver call where it can be: a torch graph that
+    exposes its executable graph (``raw_cuda_graph_exec``), cuda-python, a stream given.
+
+    Torch's ``replay`` also sets the device and asks for the driver's version around the
+    launch: on the H200 host, after a millisecond of idle, a replay and the verdict's
+    synchronisation took 92 us through it against 77 us through the driver call (68 against
+    66 hot). A launch the driver refuses goes to ``replay``, which raises what torch raises
+    (nothing was queued).
+    """
+    exec_handle = getattr(graph, "raw_cuda_graph_exec", None)
+    if exec_handle is None or stream is None:
+        return graph.replay
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return graph.replay
+    raw = exec_handle()  # an int, or a cuda-python handle in some torch releases
+    executable = driver.CUgraphExec(raw if isinstance(raw, int) else int(raw.getPtr()))
+    queue = driver.CUstream(stream)
+    launch, success = driver.cuGraphLaunch, driver.CUresult.CUDA_SUCCESS
+
+    def replay() -> None:
+        (err,) = launch(executable, queue)
+        if err != success:
+            graph.replay()
+
+    return replay
 
 
 def _end_quietly(graph: Graph) -> None:
