@@ -787,7 +787,9 @@ class Leases:
         """Lease the regions of ``tokens`` for this call without resolving references (a call
         decoded earlier whose views are reused), all in one pass over the table; raises as
         ``resolve`` does, and then holds none of them."""
-        self._acquire(field, [token for token in tokens if token not in self._held])
+        missing = [token for token in tokens if token not in self._held]
+        if missing:
+            self._acquire(field, missing)
 
     def _acquire(self, field: str, tokens: Sequence[str]) -> Sequence[_Region]:
         regions = self._table._acquire_all(tokens, field, self._owner)

@@ -353,8 +353,9 @@ class Server:
         """
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         # A lone call's op runs inline on this event loop (the servicer asks for it), which
-        # queues no other CUDA work: its current stream may stay the engine's. What the op
-        # leaves for the metrics is handed over on the loop's next turn, after the reply.
+        # queues no other CUDA work: its current stream may stay the engine's. An inline op's
+        # bookkeeping (its leases, what it leaves for the metrics) runs on the loop's next
+        # turn, after the reply.
         self.engine.own_thread(defer=asyncio.get_running_loop().call_soon)
         await self.grpc_server.start()
         _log.info("event=listening addresses=%s", ",".join(self.addresses))
