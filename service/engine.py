@@ -1148,14 +1148,15 @@ class Engine:
             self._flag_views = {}
             self._flags_are_zero = True  # zeroed on this stream, before any op's launch
         rows, host = buffers
+        flags, sizes = rows[0, :batch_size], rows[1, :batch_size]
         views = _FlagViews(
-            flags=rows[0, :batch_size],
+            flags=flags,
             host_flags=None if host is None else host[0, :batch_size],
-            sizes=rows[1, :batch_size],
+            sizes=sizes,
             host_sizes=None if host is None else host[1, :batch_size],
             rows=rows,
             host_rows=host,
-            pointers=(rows[0, :batch_size].data_ptr(), rows[1, :batch_size].data_ptr()),
+            pointers=(flags.data_ptr(), sizes.data_ptr()),
         )
         self._flag_views[batch_size] = views
         return views
