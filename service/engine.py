@@ -84,6 +84,7 @@ from ddtree.service.memory import (
     MemoryLimits,
     RegionInfo,
     RegionTable,
+    device_bytes,
 )
 from ddtree.service.replay import LaunchGraphs, LaunchKey
 
@@ -321,11 +322,18 @@ class _FlagViews:
 
     flags: torch.Tensor  # [batch_size] int32, device: the ops' error_flags
     host_flags: torch.Tensor | None  # [batch_size] int32, pinned host (CUDA only)
-    sizes: torch.Tensor  # [batch_size] int32, device: a replayed build's num_nodes
     host_sizes: torch.Tensor | None  # [batch_size] int32, pinned host (CUDA only)
-    rows: torch.Tensor  # [2, size] int32, device: both rows whole
-    host_rows: torch.Tensor | None  # [2, size] int32, pinned host (CUDA only)
-    pointers: tuple[int, int]  # addresses of ``flags`` and ``sizes``, for replay keys
+    verdict: torch.Tensor | None
+    """``[2 * batch_size]`` int32: ``host_flags`` then ``host_sizes``, as a CUDA tensor over the
+    pinned memory (CUDA only), where a replayed build's graph writes both with one kernel."""
+    pointers: tuple[int, int]  # addresses of ``flags`` and ``verdict``, for replay keys
+
+
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (pinned by ``cudaHostAlloc``, contiguous) as a tensor of the CUDA ``device``
+    over the same memory, at the same address (unified addressing); it owns nothing."""
+    pointer, byte_size = host.data_ptr(), host.numel() * host.element_size()
+    return device_bytes(pointer, byte_size, device).view(host.dtype)
 
 
 def _layout(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]:
@@ -433,8 +441,9 @@ class Engine:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._device_lock = threading.Lock()  # held while an op runs, on whichever thread
         self._flags: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        """``[2, size]`` int32 on the device and its pinned host copy, reused: ``error_flags``
-        (row 0) and the tree sizes of a replayed build (row 1); see ``_flag_buffers``."""
+        """``[size]`` int32 on the device (``error_flags``) and ``[2 * size]`` int32 pinned on
+        the host (their verdict and a replayed build's tree sizes), reused; see
+        ``_flag_buffers`` and ``_flag_rows``."""
         self._flag_views: dict[int, _FlagViews] = {}
         self._flags_are_zero = False
         """Whether the whole device flag row is known to be zero (``_flag_buffers``)."""
@@ -1089,7 +1098,7 @@ class Engine:
             # The whole row: a failed op may have flagged requests past this op's batch.
             whole = self._flags
             assert whole is not None  # made by _flag_buffers
-            whole[0][0].zero_()
+            whole[0].zero_()
         self._flags_are_zero = False  # until _check_flags reads this launch's flags back
         timer = self._observer.time_op(op, self.device, self._stream) if observe else _NO_TIMER
         try:
@@ -1130,33 +1139,39 @@ class Engine:
         return views.flags, views.host_flags
 
     def _flag_rows(self, batch_size: int) -> _FlagViews:
-        """The views of ``batch_size`` requests into this engine's ``[2, size]`` verdict
-        buffers: row 0 the ``error_flags``, row 1 the tree sizes of a replayed build, which its
-        graph copies there so that one device-to-host copy brings back both
-        (``_build_tree``)."""
+        """The views of ``batch_size`` requests into this engine's verdict buffers: the
+        device's ``error_flags``, and on CUDA the pinned host memory that receives them
+        followed by the tree sizes of a replayed build (``_replay_build``).
+
+        A replayed build's graph writes flags and sizes straight into that pinned memory with
+        one kernel (``verdict``: the same memory as a CUDA tensor, valid on the device since
+        CUDA's unified addressing maps every ``cudaHostAlloc`` allocation, which is what
+        ``pin_memory`` makes, at its host address). A device-to-device copy of the sizes next
+        to the flags and a device-to-host copy of both cost the graph 9-10 us more than that
+        kernel on the H200 (``bench/results/2026-12-02-h200-verdict-s40.json``).
+        """
         views = self._flag_views.get(batch_size)
         if views is not None:
             return views
         buffers = self._flags
-        if buffers is None or buffers[0].shape[1] < batch_size:
+        if buffers is None or buffers[0].shape[0] < batch_size:
             size = max(batch_size, self.limits.max_batch_size)
-            rows = torch.zeros(2, size, dtype=torch.int32, device=self.device)  # [2, size]
+            flags_row = torch.zeros(size, dtype=torch.int32, device=self.device)  # [size]
             host = None
             if self._stream is not None:
-                host = torch.zeros(2, size, dtype=torch.int32, pin_memory=True)  # [2, size]
-            buffers = self._flags = (rows, host)
+                host = torch.zeros(2 * size, dtype=torch.int32, pin_memory=True)  # [2 * size]
+            buffers = self._flags = (flags_row, host)
             self._flag_views = {}
             self._flags_are_zero = True  # zeroed on this stream, before any op's launch
-        rows, host = buffers
-        flags, sizes = rows[0, :batch_size], rows[1, :batch_size]
+        flags_row, host = buffers
+        flags = flags_row[:batch_size]
+        verdict = None if host is None else _on_device(host[: 2 * batch_size], self.device)
         views = _FlagViews(
             flags=flags,
-            host_flags=None if host is None else host[0, :batch_size],
-            sizes=sizes,
-            host_sizes=None if host is None else host[1, :batch_size],
-            rows=rows,
-            host_rows=host,
-            pointers=(flags.data_ptr(), sizes.data_ptr()),
+            host_flags=None if host is None else host[:batch_size],
+            host_sizes=None if host is None else host[batch_size : 2 * batch_size],
+            verdict=verdict,
+            pointers=(flags.data_ptr(), 0 if verdict is None else verdict.data_ptr()),
         )
         self._flag_views[batch_size] = views
         return views
@@ -1268,20 +1283,20 @@ class Engine:
         launched through ``LaunchGraphs`` under ``launch_key``: captured the second time its
         key is seen, replayed from then on.
 
-        The launch also copies the tree sizes next to the error flags and brings both rows back
-        to the host, and records its own timing events around all of it (captured with it,
-        replayed with it): the verdict needs no launch or copy of its own and is the call's
-        last device work (``_settled``), and the observer's timing costs no event records
-        before the launch. The device time and the tree sizes are handed to the observer by
-        ``_observe``, at the latest before the next op (the graph's events and the pinned
-        sizes are this engine's until then).
+        The launch also writes the error flags and the tree sizes into the pinned verdict
+        memory (one kernel, ``_flag_rows``) and records its own timing events around all of it
+        (captured with it, replayed with it): the verdict needs no launch or copy of its own
+        and is the call's last device work (``_settled``), and the observer's timing costs no
+        event records before the launch. The device time and the tree sizes are handed to the
+        observer by ``_observe``, at the latest before the next op (the graph's events and the
+        pinned sizes are this engine's until then).
         """
         graphs, stream = self._graphs, self._stream
         assert graphs is not None and stream is not None  # CUDA
         logits = call.draft_logits
         views = self._flag_rows(logits.shape[0])
-        host_rows, host_flags, host_sizes = views.host_rows, views.host_flags, views.host_sizes
-        assert host_rows is not None and host_flags is not None and host_sizes is not None
+        verdict, host_flags, host_sizes = views.verdict, views.host_flags, views.host_sizes
+        assert verdict is not None and host_flags is not None and host_sizes is not None
         key = (launch_key, views.pointers)
         timed = _GRAPHS_TIME_THEMSELVES
 
@@ -1294,8 +1309,7 @@ class Engine:
             tree = self._launch_build(
                 call, views.flags, logits, call.root_tokens, call.budget, call.max_budget
             )
-            views.sizes.copy_(tree.num_nodes)
-            host_rows.copy_(views.rows, non_blocking=True)
+            torch.cat((views.flags, tree.num_nodes), out=verdict)  # into pinned host memory
             if timing is not None:
                 timing[1].record(stream)
             return tree, timing

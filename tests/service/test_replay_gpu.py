@@ -108,8 +108,9 @@ class _TreeSizes:
 
 
 def test_a_replayed_build_reports_its_own_tree_sizes() -> None:
-    """A replayed build's graph copies the tree sizes next to the error flags (one copy to the
-    host brings both back): the observer gets this call's sizes, never the capture's."""
+    """A replayed build's graph writes the error flags and the tree sizes into the engine's
+    pinned verdict memory (poisoned before each call here): the observer gets this call's
+    sizes, never the capture's."""
     sizes = _TreeSizes()
     with Engine(device="cuda:0", observer=sizes) as engine:
         engine.warm_up()
@@ -126,6 +127,10 @@ def test_a_replayed_build_reports_its_own_tree_sizes() -> None:
             for row, depth in enumerate(depths):
                 logits[row, :depth, step + row] = 0.0
             poison(out)
+            views = engine._flag_rows(BATCH)
+            for host in (views.host_flags, views.host_sizes):
+                assert host is not None
+                host.fill_(-7)
             engine.build_tree(call, inline=True).result(timeout=60)
             _assert_same(out, kernels.build_tree(logits, roots, DRAFT_LEN, backend="reference"))
             assert out.num_nodes.tolist() == [1 + depth for depth in depths]
