@@ -6,7 +6,8 @@ processes of one host) at function boundaries, through wrappers installed at sta
 server through a launcher script), so each call splits into:
 
 * ``caller_before``: from the client method's start to entering gRPC (destination checks,
-  locating tensors, the request memo, ordering the inputs, building the request);
+  locating tensors, the request memo, ordering the inputs, building the request), of which
+  ``order_inputs`` (``ClientIpc.order_inputs``: the caller's stream synchronisation);
 * ``inbound``: entering gRPC -> the server starts deserialising the request;
 * ``deserialise``, ``to_handler`` (interceptors), ``handler`` (the servicer method), and
   within the handler: ``decode`` (``DecodedCalls.decode``), ``validate``, ``engine_op``
@@ -14,15 +15,18 @@ server through a launcher script), so each call splits into:
   runs inline on the event loop, as a lone call does on CUDA), ``launch``
   (``Engine._launch_op``; on the CPU it runs on the device worker, inside the handler's span),
   ``verdict`` (``Engine._check_flags`` or ``_check_accept_flags``, whose stream
-  synchronisation waits for the device) and ``reply``;
+  synchronisation waits for the device), ``replay`` (``Engine._replay_build``: a build into
+  caller memory launched from a CUDA graph, with its launch and its verdict) and ``reply``;
 * ``outbound``: the servicer returns -> the caller's gRPC call returns;
 * ``caller_after``: decoding the reply.
 
 The same split for a bare call (GetServerInfo through the client's ``_call``) in the same run is
-the reference. Medians over ``--calls`` calls per kind, in microseconds; the wrappers add about
-a microsecond per stamped function. On a GPU: BuildTree and AcceptTree at batch 32 (draft_len
-16, vocab 163840, bf16, budget 64) by CUDA IPC reference, with fresh destinations per call and
-with static ones (``out=``). With ``--cpu``: the reference backend, batch 1, vocab 1024, budget 8,
+the reference. The kinds (``--kinds``, default all) are called in turn, one call of each per
+round, so that drift hits them alike; medians over ``--calls`` rounds, in microseconds; the
+wrappers add about a microsecond per stamped function. On a GPU: BuildTree and AcceptTree at
+batch 32 (draft_len 16, vocab 163840, bf16, budget 64) by CUDA IPC reference, with fresh
+destinations per call, with static ones (``out=``) and prepared for static ones
+(``prepare_build_tree``). With ``--cpu``: the reference backend, batch 1, vocab 1024, budget 8,
 tensors inline. Writes ``bench/results/<date>-<device>-ipc-timeline.json`` (or ``--out``).
 
 ``--idle-ms MS`` makes the caller sleep that long before each measured call, as a decode loop
@@ -34,8 +38,8 @@ a deployment that gives both exclusive cores would (Kubernetes' static CPU manag
 The server runs with its Prometheus metrics on (a free loopback port), as the Helm chart
 deploys it (since session 18).
 
-Usage: ``python bench/bench_ipc_timeline.py [--cpu] [--calls N] [--idle-ms MS] [--cpus S/C]
-[--out PATH]``.
+Usage: ``python bench/bench_ipc_timeline.py [--cpu] [--calls N] [--kinds K1,K2] [--idle-ms MS]
+[--cpus S/C] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from typing import Any
 import torch
 from caller_grpc_io import restart_with_server_grpc_io
 
-from ddtree.clients import Client, remote
+from ddtree.clients import Client, cuda, remote
 from ddtree.service.config import grpc_experiments
 from ddtree.v1 import tree_speculation_service_pb2 as pb
 
@@ -107,6 +111,7 @@ engine.Engine.accept_tree = stamped(engine.Engine.accept_tree, "engine_op")
 engine.Engine._launch_op = stamped(engine.Engine._launch_op, "launch")
 engine.Engine._check_flags = stamped(engine.Engine._check_flags, "verdict")
 engine.Engine._check_accept_flags = stamped(engine.Engine._check_accept_flags, "verdict")
+engine.Engine._replay_build = stamped(engine.Engine._replay_build, "replay")
 convert.tree_refs_to_proto = stamped(convert.tree_refs_to_proto, "reply")
 convert.tree_to_proto = stamped(convert.tree_to_proto, "reply")
 convert.acceptance_refs_to_proto = stamped(convert.acceptance_refs_to_proto, "reply")
@@ -125,18 +130,31 @@ sys.exit(main(sys.argv[1:]))
 """
 """The server with its stamps: SIGUSR1 writes them (and forgets them) as JSON."""
 
-_SERVER_SPANS = ("decode", "validate", "engine_op", "launch", "verdict", "reply")
+_KINDS = (
+    "bare_call",
+    "build_tree",
+    "accept_tree",
+    "build_tree_out",
+    "build_tree_prepared",
+    "accept_tree_out",
+)
+"""What the timeline can time (``--kinds``)."""
+
+_SERVER_SPANS = ("decode", "validate", "engine_op", "launch", "replay", "verdict", "reply")
 
 
 class _CallerStamps:
-    """The caller's stamps around gRPC (``Client._call``), while the ``with`` block runs."""
+    """The caller's stamps around gRPC (``Client._call``) and around the ordering of a call's
+    inputs (``ClientIpc.order_inputs``), while the ``with`` block runs."""
 
     def __init__(self) -> None:
         self.grpc: list[tuple[int, int]] = []
+        self.order: list[tuple[int, int]] = []
         self._call = remote.Client._call
+        self._order = cuda.ClientIpc.order_inputs
 
     def __enter__(self) -> _CallerStamps:
-        call = self._call
+        call, order = self._call, self._order
 
         def stamped_call(client: Client, *args: Any, **kwargs: Any) -> Any:
             start = time.monotonic_ns()
@@ -145,11 +163,20 @@ class _CallerStamps:
             finally:
                 self.grpc.append((start, time.monotonic_ns()))
 
+        def stamped_order(ipc: cuda.ClientIpc, *args: Any, **kwargs: Any) -> bytes:
+            start = time.monotonic_ns()
+            try:
+                return order(ipc, *args, **kwargs)
+            finally:
+                self.order.append((start, time.monotonic_ns()))
+
         remote.Client._call = stamped_call  # type: ignore[method-assign]
+        cuda.ClientIpc.order_inputs = stamped_order  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         remote.Client._call = self._call  # type: ignore[method-assign]
+        cuda.ClientIpc.order_inputs = self._order  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -211,39 +238,46 @@ def _server_stamps(server: subprocess.Popen[str], path: str) -> list[list[Any]]:
 
 
 def _timeline(
-    call: Callable[[], object],
+    kinds: dict[str, Callable[[], object]],
     calls: int,
     caller: _CallerStamps,
     server: subprocess.Popen[str],
     path: str,
     idle_s: float = 0.0,
-) -> dict[str, float]:
-    """Medians (us) of each segment of ``calls`` serial calls of ``call``, the caller sleeping
-    ``idle_s`` before each."""
+) -> dict[str, dict[str, float]]:
+    """Medians (us) of each segment of ``calls`` serial calls of each kind, the kinds in turn
+    (one call of each per round, so that drift hits them alike), the caller sleeping
+    ``idle_s`` before each call."""
     for _ in range(30):
-        call()
+        for call in kinds.values():
+            call()
     _server_stamps(server, path)
     spans = []
     for _ in range(calls):
-        if idle_s:
-            time.sleep(idle_s)
-        caller.grpc.clear()
-        start = time.monotonic_ns()
-        call()
-        spans.append((start, time.monotonic_ns(), caller.grpc[-1]))
+        for kind, call in kinds.items():
+            if idle_s:
+                time.sleep(idle_s)
+            caller.grpc.clear()
+            caller.order.clear()
+            start = time.monotonic_ns()
+            call()
+            end = time.monotonic_ns()
+            order = sum(e - s for s, e in caller.order)
+            spans.append((kind, start, end, caller.grpc[-1], order))
     stamps = _server_stamps(server, path)
     by_tag: dict[str, list[list[Any]]] = {}
     for stamp in stamps:
         by_tag.setdefault(stamp[0], []).append(stamp)
     handlers, deserialised = by_tag["handler"], by_tag["deserialise"]
     assert len(handlers) == len(spans) == len(deserialised), (len(handlers), len(spans))
-    rows = []
-    for (start, end, grpc_span), (_, h0, h1), (_, d0, d1) in zip(
+    rows: dict[str, list[dict[str, int]]] = {kind: [] for kind in kinds}
+    for (kind, start, end, grpc_span, order), (_, h0, h1), (_, d0, d1) in zip(
         spans, handlers, deserialised, strict=True
     ):
         row = {
             "total": end - start,
             "caller_before": grpc_span[0] - start,
+            "order_inputs": order,
             "inbound": d0 - grpc_span[0],
             "deserialise": d1 - d0,
             "to_handler": h0 - d1,
@@ -254,8 +288,11 @@ def _timeline(
         for tag in _SERVER_SPANS:
             inside = [s for s in by_tag.get(tag, []) if h0 <= s[1] <= h1]
             row[tag] = sum(s[2] - s[1] for s in inside)
-        rows.append(row)
-    return {key: round(statistics.median(r[key] for r in rows) / 1e3, 1) for key in rows[0]}
+        rows[kind].append(row)
+    return {
+        kind: {key: round(statistics.median(r[key] for r in each) / 1e3, 1) for key in each[0]}
+        for kind, each in rows.items()
+    }
 
 
 def _placement(text: str) -> tuple[set[int], set[int]]:
@@ -286,8 +323,17 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="caller sleep before each call, as a decode loop calls once per step (0)",
     )
+    parser.add_argument(
+        "--kinds",
+        type=lambda text: text.split(","),
+        default=list(_KINDS),
+        help=f"calls to time, in turn, comma-separated (default all: {','.join(_KINDS)})",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    unknown = set(args.kinds) - set(_KINDS)
+    if unknown:
+        parser.error(f"--kinds: unknown {sorted(unknown)}; known: {', '.join(_KINDS)}")
     server_cpus = caller_cpus = None
     if args.cpus is not None:
         server_cpus, caller_cpus = args.cpus
@@ -344,15 +390,18 @@ def main(argv: list[str] | None = None) -> None:
             kinds["build_tree_out"] = lambda: client.build_tree(
                 logits, roots, budget, out=static_tree
             )
+            kinds["build_tree_prepared"] = client.prepare_build_tree(
+                logits, roots, budget, out=static_tree
+            )
             kinds["accept_tree_out"] = lambda: client.accept_tree(
                 tree, targets, out=static_acceptance
             )
-            for kind, call in kinds.items():
-                figures = _timeline(
-                    call, args.calls, caller, server, stamps_path, args.idle_ms / 1e3
-                )
-                results["kinds"][kind] = figures
-                sys.stdout.write(f"{kind:16s} {figures}\n")
+            chosen = {kind: kinds[kind] for kind in args.kinds}
+            results["kinds"] = _timeline(
+                chosen, args.calls, caller, server, stamps_path, args.idle_ms / 1e3
+            )
+            for kind, figures in results["kinds"].items():
+                sys.stdout.write(f"{kind:20s} {figures}\n")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     sys.stdout.write(f"wrote {out}\n")
