@@ -31,7 +31,13 @@ from google.protobuf.message import DecodeError
 from ddtree.service.config import ServiceConfig, parse_listen
 from ddtree.service.errors import MalformedRequest, Overloaded
 
-__all__ = ["AccessInterceptor", "bind", "client_identity", "server_credentials"]
+__all__ = [
+    "AccessInterceptor",
+    "bind",
+    "client_identity",
+    "received_bytes",
+    "server_credentials",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -152,14 +158,50 @@ class _Malformed:
     error: str
 
 
+_RECEIVED: ContextVar[tuple[object, bytes] | None] = ContextVar("ddtree_received", default=None)
+"""``(request, bytes)`` of the call being handled: the message its deserializer returned and the
+bytes it came from (set in the call's own task, like ``_IDENTITY``)."""
+
+_KEPT_REQUEST_BYTES = 4096
+"""Requests up to this size (references, not inline tensors) are kept parsed by their bytes."""
+
+_KEPT_REQUESTS = 32
+"""Parsed requests kept per method."""
+
+
+def received_bytes(request: object) -> bytes | None:
+    """The bytes ``request`` was parsed from, if the call being handled got it through its
+    deserializer (``AccessInterceptor``); ``None`` otherwise (a handler called directly)."""
+    received = _RECEIVED.get()
+    if received is None or received[0] is not request:
+        return None
+    return received[1]
+
+
 def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """``deserializer`` that answers unparsable bytes with ``_Malformed``, notes the bytes of
+    what it parsed (``received_bytes``), and parses the same small request only once.
+
+    A decode loop sends the same by-reference request, byte for byte, step after step; it
+    then gets the same message object each time. Handlers only read their requests.
+    """
+    parsed: dict[bytes, Any] = {}
+
     def deserialize(raw: bytes) -> Any:
         if deserializer is None:
             return raw
-        try:
-            return deserializer(raw)
-        except (DecodeError, UnicodeDecodeError) as err:
-            return _Malformed(len(raw), type(err).__name__)
+        message = parsed.get(raw)
+        if message is None:
+            try:
+                message = deserializer(raw)
+            except (DecodeError, UnicodeDecodeError) as err:
+                return _Malformed(len(raw), type(err).__name__)
+            if len(raw) <= _KEPT_REQUEST_BYTES:
+                if len(parsed) >= _KEPT_REQUESTS:
+                    del parsed[next(iter(parsed))]  # the oldest
+                parsed[raw] = message
+        _RECEIVED.set((message, raw))
+        return message
 
     return deserialize
 

@@ -18,7 +18,7 @@ import torch
 from google.protobuf.message import Message
 
 from ddtree.service import convert
-from ddtree.service.access import client_identity
+from ddtree.service.access import client_identity, received_bytes
 from ddtree.service.call_memo import DecodedCalls
 from ddtree.service.calls import Prepared
 from ddtree.service.channel import open_channel_args
@@ -118,11 +118,12 @@ class TreeSpeculationServicer(pb_grpc.TreeSpeculationServiceServicer):
         budget_s = self._budget_s(context)
         deadline_s = time.monotonic() + budget_s
         resolver = self._resolver.for_owner(client_identity(context))
-        byte_size = request.ByteSize()
+        raw = received_bytes(request)
+        byte_size = request.ByteSize() if raw is None else len(raw)
         self._active += 1  # counted while handled: ``_inline`` reads the count
         try:
             if byte_size <= _OFFLOAD_BYTES:
-                call = self._calls.decode(decode, request, resolver, deadline_s=deadline_s)
+                call = self._calls.decode(decode, request, resolver, deadline_s=deadline_s, raw=raw)
             else:
                 call = await _convert(
                     byte_size, lambda: decode(request, resolver, deadline_s=deadline_s)

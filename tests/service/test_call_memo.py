@@ -104,6 +104,40 @@ def test_the_same_bytes_reuse_the_decoded_call_with_fresh_leases(region: Region)
     assert len(mapper.closed) == 1
 
 
+def test_the_received_bytes_are_the_key(region: Region) -> None:
+    """The server hands over the bytes the request came in (its deserializer keeps them): the
+    same bytes hit without serialising the request again, other bytes miss."""
+    _, resolver, _, token = region
+    memo = DecodedCalls()
+    message = request(token)
+    raw = message.SerializeToString()
+
+    def decode_raw(data: bytes) -> BuildTreeCall:
+        call: BuildTreeCall = memo.decode(
+            convert.build_tree_call,
+            pb.BuildTreeRequest.FromString(data),
+            resolver,
+            deadline_s=1.0,
+            raw=data,
+        )
+        assert call.leases is not None
+        call.leases.release()
+        return call
+
+    first = decode_raw(raw)
+    assert decode_raw(raw).draft_logits is first.draft_logits
+    assert memo.hits == 1
+    # The same message as other bytes (its budget first): a miss, decoded afresh.
+    reordered = pb.BuildTreeRequest(budget=message.budget).SerializeToString() + (
+        pb.BuildTreeRequest(
+            draft_logits=message.draft_logits, root_tokens=message.root_tokens
+        ).SerializeToString()
+    )
+    assert reordered != raw and pb.BuildTreeRequest.FromString(reordered) == message
+    decode_raw(reordered)
+    assert memo.hits == 1
+
+
 def test_an_unregistered_token_is_refused_not_reused(region: Region) -> None:
     mapper, resolver, table, token = region
     memo = DecodedCalls()
