@@ -787,12 +787,19 @@ def _synchronize_current_stream(index: int) -> None:
     fails (no context current on this thread yet, or a device error) torch's way takes over,
     and raises what it raises.
     """
-    if torch.cuda.current_device() == index:
-        driver = require_cuda_python()
-        (err,) = driver.cuStreamSynchronize(torch._C._cuda_getCurrentRawStream(index))
-        if err == driver.CUresult.CUDA_SUCCESS:
+    if torch._C._cuda_getDevice() == index:  # torch.cuda.current_device(), CUDA initialised
+        synchronize, success = _stream_synchronize()
+        (err,) = synchronize(torch._C._cuda_getCurrentRawStream(index))
+        if err == success:
             return
     torch.cuda.current_stream(index).synchronize()
+
+
+@functools.cache
+def _stream_synchronize() -> tuple[Callable[[int], tuple[Any]], object]:
+    """``cuStreamSynchronize`` and the result that means success, looked up once."""
+    driver = require_cuda_python()
+    return driver.cuStreamSynchronize, driver.CUresult.CUDA_SUCCESS
 
 
 @functools.cache
