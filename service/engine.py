@@ -1147,7 +1147,7 @@ class Engine:
         one kernel (``verdict``: the same memory as a CUDA tensor, valid on the device since
         CUDA's unified addressing maps every ``cudaHostAlloc`` allocation, which is what
         ``pin_memory`` makes, at its host address). A device-to-device copy of the sizes next
-        to the flags and a device-to-host copy of both cost the graph 9-10 us more than that
+        to the flags and a device-to-host copy of both took 7 us more of the graph than that
         kernel on the H200 (``bench/results/2026-12-02-h200-verdict-s40.json``).
         """
         views = self._flag_views.get(batch_size)
