@@ -171,7 +171,8 @@ _KEPT_REQUESTS = 32
 
 def received_bytes(request: object) -> bytes | None:
     """The bytes ``request`` was parsed from, if the call being handled got it through its
-    deserializer (``AccessInterceptor``); ``None`` otherwise (a handler called directly)."""
+    deserializer (``AccessInterceptor``) and it is small (at most 4 KiB: references, not inline
+    tensors); ``None`` otherwise (a large request, a handler called directly)."""
     received = _RECEIVED.get()
     if received is None or received[0] is not request:
         return None
@@ -179,8 +180,9 @@ def received_bytes(request: object) -> bytes | None:
 
 
 def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
-    """``deserializer`` that answers unparsable bytes with ``_Malformed``, notes the bytes of
-    what it parsed (``received_bytes``), and parses the same small request only once.
+    """``deserializer`` that answers unparsable bytes with ``_Malformed``, and for a small
+    request notes the bytes it was parsed from (``received_bytes``) and parses the same bytes
+    only once.
 
     A decode loop sends the same by-reference request, byte for byte, step after step; it
     then gets the same message object each time. Handlers only read their requests.
@@ -190,16 +192,20 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     def deserialize(raw: bytes) -> Any:
         if deserializer is None:
             return raw
+        if len(raw) > _KEPT_REQUEST_BYTES:  # inline tensors: its bytes are let go at once
+            try:
+                return deserializer(raw)
+            except (DecodeError, UnicodeDecodeError) as err:
+                return _Malformed(len(raw), type(err).__name__)
         message = parsed.get(raw)
         if message is None:
             try:
                 message = deserializer(raw)
             except (DecodeError, UnicodeDecodeError) as err:
                 return _Malformed(len(raw), type(err).__name__)
-            if len(raw) <= _KEPT_REQUEST_BYTES:
-                if len(parsed) >= _KEPT_REQUESTS:
-                    del parsed[next(iter(parsed))]  # the oldest
-                parsed[raw] = message
+            if len(parsed) >= _KEPT_REQUESTS:
+                del parsed[next(iter(parsed))]  # the oldest
+            parsed[raw] = message
         _RECEIVED.set((message, raw))
         return message
 

@@ -330,8 +330,15 @@ class _FlagViews:
 
 
 def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (pinned by ``cudaHostAlloc``, contiguous) as a tensor of the CUDA ``device``
-    over the same memory, at the same address (unified addressing); it owns nothing."""
+    """``host`` (pinned by torch, contiguous) as a tensor of the CUDA ``device`` over the same
+    memory, at the same address; it owns nothing.
+
+    Under unified addressing (every 64-bit process) CUDA maps pinned host memory into the
+    device's address space at its host address: all of ``cudaHostAlloc``'s (torch's
+    ``pin_memory``), and ``cudaHostRegister``'s with the default flags (torch's
+    ``pinned_use_cuda_host_register``) on GPUs that can use host pointers for registered
+    memory, which every Hopper and Blackwell GPU on x86-64 Linux can.
+    """
     pointer, byte_size = host.data_ptr(), host.numel() * host.element_size()
     return device_bytes(pointer, byte_size, device).view(host.dtype)
 
@@ -1144,11 +1151,10 @@ class Engine:
         followed by the tree sizes of a replayed build (``_replay_build``).
 
         A replayed build's graph writes flags and sizes straight into that pinned memory with
-        one kernel (``verdict``: the same memory as a CUDA tensor, valid on the device since
-        CUDA's unified addressing maps every ``cudaHostAlloc`` allocation, which is what
-        ``pin_memory`` makes, at its host address). A device-to-device copy of the sizes next
-        to the flags and a device-to-host copy of both took 7 us more of the graph than that
-        kernel on the H200 (``bench/results/2026-12-02-h200-verdict-s40.json``).
+        one kernel (``verdict``: the same memory as a CUDA tensor, ``_on_device``). A
+        device-to-device copy of the sizes next to the flags and a device-to-host copy of both
+        took 7 us more of the graph than that kernel on the H200
+        (``bench/results/2026-12-02-h200-verdict-s40.json``).
         """
         views = self._flag_views.get(batch_size)
         if views is not None:
