@@ -187,22 +187,25 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     A decode loop sends the same by-reference request, byte for byte, step after step; it
     then gets the same message object each time. Handlers only read their requests.
     """
+    if deserializer is None:
+        return lambda raw: raw
+    parse = deserializer
     parsed: dict[bytes, Any] = {}
 
+    def tolerant_parse(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except (DecodeError, UnicodeDecodeError) as err:
+            return _Malformed(len(raw), type(err).__name__)
+
     def deserialize(raw: bytes) -> Any:
-        if deserializer is None:
-            return raw
         if len(raw) > _KEPT_REQUEST_BYTES:  # inline tensors: its bytes are let go at once
-            try:
-                return deserializer(raw)
-            except (DecodeError, UnicodeDecodeError) as err:
-                return _Malformed(len(raw), type(err).__name__)
+            return tolerant_parse(raw)
         message = parsed.get(raw)
         if message is None:
-            try:
-                message = deserializer(raw)
-            except (DecodeError, UnicodeDecodeError) as err:
-                return _Malformed(len(raw), type(err).__name__)
+            message = tolerant_parse(raw)
+            if isinstance(message, _Malformed):
+                return message
             if len(parsed) >= _KEPT_REQUESTS:
                 del parsed[next(iter(parsed))]  # the oldest
             parsed[raw] = message

@@ -305,7 +305,7 @@ class _ThreadOwner(threading.local):
 class _Unobserved:
     """What a replayed build leaves for its observer (``Engine._observe``): its graph's timing
     events and the tree sizes in the pinned verdict buffer, both valid until the engine's next
-    op (which replays the graph again or copies new sizes there)."""
+    op (which replays the graph again or writes new flags or sizes there)."""
 
     op: str
     timing: tuple[torch.cuda.Event, torch.cuda.Event]  # start, end; both done
@@ -1123,7 +1123,7 @@ class Engine:
 
     def _flag_buffers(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The ``error_flags`` of one op (``[batch_size]`` int32 on the device) and, on CUDA,
-        the pinned host buffer its verdict is copied into (row 0 of ``_flag_rows``).
+        the pinned host buffer its verdict is copied into (``host_flags`` of ``_flag_rows``).
 
         Both are this engine's, reused by every op: every op (warm-up's too) holds the device
         lock, every use is ordered on the engine's stream (zeroed there before the launch,
@@ -1328,7 +1328,7 @@ class Engine:
             observe=not timed,
             copy_flags=False,
         )
-        stream.synchronize()  # the verdict's: the rows are on the host, the events done
+        stream.synchronize()  # the verdict's: flags and sizes in pinned memory, events done
         if timing is None:
             self._raise_flagged("build_tree", host_flags.tolist())
             self._observer.observe_trees(host_sizes, model=call.model)
